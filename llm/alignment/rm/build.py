@@ -1,0 +1,148 @@
+"""Build everything ``run_reward.py`` needs from parsed arguments: tokenizer, packed data, model, trainer."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedTokenizerBase
+
+from llm.alignment.rm.trainer import RewardTrainer
+from llm.data.packing import PackedRow, PackStats, collate, pack
+from llm.data.readers import load_dataset_records
+from llm.data.tokenize import EncodeConfig, encode_all, encode_pair_for_scores, encode_prm, single_token_id
+from llm.utils.arguments import DataArgument, ModelArgument, TrainingArguments
+from llm.utils.errors import UserError
+from llm.utils.modeling import count_parameters, load_model, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RewardData:
+    rows: list[PackedRow]
+    records: list  # source records, indexed by Example.record
+    stats: PackStats
+
+
+def reward_tokens(model_args: ModelArgument) -> tuple[str, str]:
+    tokens = tuple(t.strip() for t in model_args.reward_tokens.split(","))
+    if len(tokens) != 2 or not all(tokens) or tokens[0] == tokens[1]:
+        raise UserError(f"reward_tokens must be two different tokens 'positive,negative', got {model_args.reward_tokens!r}")
+    return tokens  # type: ignore[return-value]
+
+
+def build_reward_data(
+    path: str,
+    tokenizer: PreTrainedTokenizerBase,
+    model_args: ModelArgument,
+    data_args: DataArgument,
+    process_reward: bool,
+    batch_size: int,
+    seed: int,
+    probs: str | None = None,
+) -> RewardData:
+    """Read, validate, tokenise and pack one split."""
+    tokens = reward_tokens(model_args)
+    kind = "prm" if process_reward else "pair"
+    records = list(
+        load_dataset_records(
+            path, kind, probs=probs, seed=seed, reward_tokens=tokens, placeholder=model_args.placeholder_token
+        )
+    )
+    cfg = EncodeConfig(data_args.max_seq_len, data_args.max_prompt_len, data_args.overlong_policy,
+                       data_args.use_chat_template)
+    if process_reward:
+        placeholder_id = single_token_id(tokenizer, model_args.placeholder_token, "placeholder_token")
+        examples, _ = encode_all(
+            records, encode_prm, path, tokenizer=tokenizer, cfg=cfg, placeholder_id=placeholder_id,
+            placeholder=model_args.placeholder_token, reward_tokens=tokens,
+        )
+    else:
+        examples, _ = encode_all(records, encode_pair_for_scores, path, tokenizer=tokenizer, cfg=cfg)
+    if not examples:
+        raise UserError(f"{path}: no example fits max_seq_len={data_args.max_seq_len}: raise max_seq_len")
+    rows, stats = pack(examples, data_args.max_seq_len, data_args.pack, batch_size)
+    logger.info("%s: %s", path, stats.summary(data_args.pack, data_args.max_seq_len))
+    return RewardData(rows, records, stats)
+
+
+def build_reward_model(model_args: ModelArgument, training_args: TrainingArguments, tokenizer: PreTrainedTokenizerBase):
+    dtype = torch.float32
+    if training_args.fp16_opt_level == "O2":
+        dtype = torch.bfloat16 if training_args.bf16 else torch.float16
+    if training_args.process_reward:
+        model = load_model(
+            AutoModelForCausalLM, model_args.model_name_or_path, init_from_config=model_args.init_from_config,
+            seed=training_args.seed, dtype=dtype, pad_token_id=tokenizer.pad_token_id,
+        )
+        tokens = reward_tokens(model_args)
+        ids = (single_token_id(tokenizer, tokens[0], "reward_tokens"), single_token_id(tokenizer, tokens[1], "reward_tokens"))
+        vocab = model.get_output_embeddings().weight.shape[0]
+        if max(ids) >= vocab:
+            raise UserError(f"reward_tokens ids {ids} are outside the model's vocabulary ({vocab}): tokenizer and model differ")
+        return model, ids
+    model = load_model(
+        AutoModelForSequenceClassification, model_args.model_name_or_path,
+        init_from_config=model_args.init_from_config, seed=training_args.seed, dtype=dtype,
+        pad_token_id=tokenizer.pad_token_id, num_labels=1,
+    )
+    if not hasattr(model, "score"):
+        raise UserError(f"{type(model).__name__} has no `score` head: use a decoder with a sequence-classification class")
+    return model, None
+
+
+def build_reward_trainer(model_args: ModelArgument, data_args: DataArgument, training_args: TrainingArguments):
+    tokenizer = load_tokenizer(model_args.tokenizer_name_or_path or model_args.model_name_or_path)
+    model, token_ids = build_reward_model(model_args, training_args, tokenizer)
+    train = dev = None
+    if training_args.do_train:
+        if not data_args.train_dataset_path:
+            raise UserError("do_train is true but train_dataset_path is not set")
+        train = build_reward_data(
+            data_args.train_dataset_path, tokenizer, model_args, data_args, training_args.process_reward,
+            training_args.per_device_train_batch_size, training_args.seed, data_args.dataset_probs,
+        )
+    if training_args.do_eval or training_args.eval_strategy != "no":
+        if not data_args.dev_dataset_path:
+            raise UserError("evaluation is on (do_eval or eval_strategy) but dev_dataset_path is not set")
+        dev = build_reward_data(
+            data_args.dev_dataset_path, tokenizer, model_args, data_args, training_args.process_reward,
+            training_args.per_device_eval_batch_size, training_args.seed,
+        )
+    mode = "PRM" if training_args.process_reward else "ORM"
+    plan = train.stats.summary(data_args.pack, data_args.max_seq_len) if train else "no training data"
+    logger.info("%s %s: %.2fM parameters; %s", mode, type(model).__name__, count_parameters(model) / 1e6, plan)
+    trainer = RewardTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train.rows if train else None,
+        eval_dataset=dev.rows if dev else None,
+        data_collator=functools.partial(collate, pad_token_id=tokenizer.pad_token_id),
+        processing_class=tokenizer,
+        process_reward=training_args.process_reward,
+        reward_token_ids=token_ids,
+        margin=training_args.margin,
+        center_rewards_coefficient=training_args.center_rewards_coefficient,
+    )
+    return trainer, train, dev
+
+
+def write_scores(path: str, examples: list[dict], records: list) -> None:
+    """Per-example outputs as JSON lines, naming the source file and record of each."""
+    with open(path, "w", encoding="utf-8") as f:
+        for ex in examples:
+            rec = records[ex["record"]]
+            row = {"source": rec.source, "index": rec.index}
+            row.update({k: v for k, v in ex.items() if k != "record"})
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def write_json(path: str, data: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)

@@ -1,0 +1,35 @@
+"""Reward-model losses as pure functions. Each returns *per-item* values; the caller sums them and
+divides by the global item count, so gradient accumulation and data parallelism equal one big batch."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def pairwise_loss(
+    chosen: torch.Tensor, rejected: torch.Tensor, margin: float = 0.0, center_coefficient: float = 0.0
+) -> torch.Tensor:
+    """Bradley-Terry loss per pair: ``-log sigmoid(s_c - s_r - margin) + c * (s_c + s_r)^2``.
+
+    Shapes: ``chosen``, ``rejected`` ``(P,)`` -> ``(P,)``. Mean over pairs equals TRL's RewardTrainer
+    loss (``center_rewards_coefficient`` there is ``c`` here).
+    """
+    loss = -F.logsigmoid(chosen - rejected - margin)
+    if center_coefficient:
+        loss = loss + center_coefficient * (chosen + rejected) ** 2
+    return loss
+
+
+def step_loss(reward_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """PRM cross-entropy per step over the two reward-token logits.
+
+    ``reward_logits`` ``(S, 2)`` = logits of ('+', '-') at each placeholder; ``labels`` ``(S,)`` with
+    0 = '+', 1 = '-'. Returns ``(S,)``.
+    """
+    return F.cross_entropy(reward_logits.float(), labels, reduction="none")
+
+
+def step_scores(reward_logits: torch.Tensor) -> torch.Tensor:
+    """Probability of the positive token, ``softmax([l+, l-])[0]``, per step."""
+    return torch.softmax(reward_logits.float(), dim=-1)[:, 0]

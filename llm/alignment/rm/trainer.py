@@ -1,0 +1,99 @@
+"""Reward-model trainer: ORM (score head on pairs) or PRM (reward-token logits at step placeholders).
+
+The two modes differ only in how the final hidden states at the readout positions become
+per-item losses and per-example outputs; everything else is ``AlignmentTrainer``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llm.alignment.rm.loss import pairwise_loss, step_loss, step_scores
+from llm.alignment.trainer import AlignmentTrainer, ItemOutputs
+from llm.data.packing import PackedBatch
+from llm.utils.attention import PACKED_SDPA
+
+
+def readout_hidden(model: torch.nn.Module, batch: PackedBatch, causal_lm: bool) -> torch.Tensor:
+    """Final hidden states ``(N, H)`` at the batch's readout positions.
+
+    Goes through the (possibly DDP-wrapped) model's own forward so gradient sync hooks run;
+    ``logits_to_keep=1`` stops a causal LM from computing vocabulary logits at every position.
+    """
+    extra = {"logits_to_keep": 1} if causal_lm else {}
+    out = model(**batch.model_inputs(), output_hidden_states=True, **extra)
+    hidden = out.hidden_states[-1]
+    return hidden.reshape(-1, hidden.shape[-1])[batch.readout_index]
+
+
+class RewardTrainer(AlignmentTrainer):
+    def __init__(
+        self,
+        *args,
+        process_reward: bool,
+        reward_token_ids: tuple[int, int] | None = None,
+        margin: float = 0.0,
+        center_rewards_coefficient: float = 0.0,
+        **kwargs,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        if self.model.config._attn_implementation != PACKED_SDPA:
+            raise ValueError("RewardTrainer needs the model loaded with attn_implementation='packed_sdpa'")
+        self.process_reward = process_reward
+        self.reward_token_ids = list(reward_token_ids) if reward_token_ids else None
+        self.margin = margin
+        self.center = center_rewards_coefficient
+        if process_reward and self.reward_token_ids is None:
+            raise ValueError("PRM mode needs reward_token_ids")
+
+    # one "item" = one step (PRM) or one pair (ORM)
+    def count_items(self, batch: PackedBatch) -> int:
+        return batch.readout_index.numel() if self.process_reward else batch.num_examples
+
+    def forward_items(self, model, batch: PackedBatch) -> ItemOutputs:
+        hidden = readout_hidden(model, batch, causal_lm=self.process_reward)
+        if self.process_reward:
+            head = self.model.get_output_embeddings()
+            bias = head.bias[self.reward_token_ids] if head.bias is not None else None
+            logits = F.linear(hidden, head.weight[self.reward_token_ids], bias)
+            loss = step_loss(logits, batch.readout_target)
+            return ItemOutputs(loss, {"score": step_scores(logits).detach(), "logits": logits.detach()})
+        scores = self.model.score(hidden).squeeze(-1).float()
+        chosen, rejected = scores[batch.readout_part == 0], scores[batch.readout_part == 1]
+        loss = pairwise_loss(chosen, rejected, self.margin, self.center)
+        return ItemOutputs(loss, {"chosen": chosen.detach(), "rejected": rejected.detach()})
+
+    def example_outputs(self, batch: PackedBatch, out: ItemOutputs) -> list[dict]:
+        records = batch.records.tolist()
+        if not self.process_reward:
+            return [
+                {"record": rec, "chosen_score": c, "rejected_score": r}
+                for rec, c, r in zip(records, out.values["chosen"].tolist(), out.values["rejected"].tolist())
+            ]
+        examples = [{"record": rec, "step_scores": [], "labels": []} for rec in records]
+        for ex, score, label in zip(
+            batch.readout_example.tolist(), out.values["score"].tolist(), batch.readout_target.tolist()
+        ):
+            examples[ex]["step_scores"].append(score)
+            examples[ex]["labels"].append("+" if label == 0 else "-")
+        return examples
+
+    def metrics(self, examples: list[dict]) -> dict[str, float]:
+        if not examples:
+            return {}
+        if not self.process_reward:
+            diffs = [ex["chosen_score"] - ex["rejected_score"] for ex in examples]
+            return {"accuracy": sum(d > 0 for d in diffs) / len(diffs), "margin": sum(diffs) / len(diffs)}
+        steps = correct = solved = positive = 0
+        for ex in examples:
+            right = [(s > 0.5) == (lab == "+") for s, lab in zip(ex["step_scores"], ex["labels"])]
+            steps += len(right)
+            correct += sum(right)
+            solved += all(right)
+            positive += sum(lab == "+" for lab in ex["labels"])
+        return {
+            "step_accuracy": correct / max(steps, 1),
+            "solution_accuracy": solved / len(examples),
+            "majority_baseline": max(positive, steps - positive) / max(steps, 1),
+        }

@@ -1,0 +1,152 @@
+"""Shared base of our trainers: ``transformers.Trainer`` fed typed ``PackedBatch``es.
+
+What it adds to ``Trainer``:
+- losses are summed per item (pair, step, token) and divided by the *global* item count of the
+  optimizer step (all micro-batches, all ranks), so accumulation 4 x 1 == batch 4 == 2 ranks x 2;
+- throughput logging in real (non-pad) tokens, and the pad ratio;
+- ``evaluate`` computes metrics over per-example outputs gathered from all ranks and can return
+  those per-example scores.
+Subclasses implement ``forward_items``, ``count_items``, ``example_outputs`` and ``metrics``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from transformers import Trainer
+
+from llm.data.packing import PackedBatch
+
+
+@dataclass
+class ItemOutputs:
+    """Per-item results of one batch: ``loss`` ``(I,)`` plus named per-item tensors for metrics."""
+
+    loss: torch.Tensor
+    values: dict[str, torch.Tensor]
+
+
+def _gather_objects(obj: list) -> list:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return obj
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, obj)
+    return [x for part in parts for x in part]
+
+
+class AlignmentTrainer(Trainer):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # Our compute_loss already divides by the global item count of the whole optimizer step.
+        self.loss_is_scaled_for_ga = True
+        self._sums: dict[str, float] = defaultdict(float)
+        self._last_log_time = time.perf_counter()
+        self._n_params = sum(p.numel() for p in self.model.parameters())
+
+    # --- to implement -------------------------------------------------------------------------
+    def forward_items(self, model: torch.nn.Module, batch: PackedBatch) -> ItemOutputs:
+        raise NotImplementedError
+
+    def count_items(self, batch: PackedBatch) -> int:
+        raise NotImplementedError
+
+    def example_outputs(self, batch: PackedBatch, out: ItemOutputs) -> list[dict]:
+        """One dict per example (must hold 'record'), used for metrics and the scores file."""
+        raise NotImplementedError
+
+    def metrics(self, examples: list[dict]) -> dict[str, float]:
+        raise NotImplementedError
+
+    # --- Trainer hooks ------------------------------------------------------------------------
+    def _prepare_inputs(self, inputs: PackedBatch) -> PackedBatch:
+        return inputs.to(self.args.device)
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor:
+        count = torch.tensor(float(sum(self.count_items(b) for b in batch_samples)), device=device)
+        if dist.is_available() and dist.is_initialized() and self.args.world_size > 1:
+            dist.all_reduce(count)
+        return count
+
+    def floating_point_ops(self, inputs: PackedBatch) -> int:
+        return 6 * self._n_params * inputs.num_real_tokens
+
+    def compute_loss(self, model, inputs: PackedBatch, return_outputs=False, num_items_in_batch=None):
+        out = self.forward_items(model, inputs)
+        if num_items_in_batch is None:  # outside the training loop: plain mean of this batch
+            loss = out.loss.sum() / max(out.loss.numel(), 1)
+        else:
+            # DDP averages gradients over ranks; scale back so the result is sum / global count.
+            loss = out.loss.sum() / num_items_in_batch * self.args.world_size
+        if model.training:
+            self._accumulate_train_metrics(inputs, out)
+        return (loss, out) if return_outputs else loss
+
+    def _accumulate_train_metrics(self, batch: PackedBatch, out: ItemOutputs) -> None:
+        with torch.no_grad():
+            for key, value in self.metrics(self.example_outputs(batch, out)).items():
+                self._sums[f"{key}__sum"] += value
+            self._sums["batches"] += 1
+            self._sums["real_tokens"] += batch.num_real_tokens
+            self._sums["slots"] += batch.input_ids.numel()
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self._sums["batches"]:
+            sums = self._reduce_sums()
+            now = time.perf_counter()
+            for key, value in sums.items():
+                if key.endswith("__sum"):
+                    logs[key[: -len("__sum")]] = value / sums["batches"]
+            logs["tokens_per_second"] = sums["real_tokens"] / max(now - self._last_log_time, 1e-9)
+            logs["pad_ratio"] = 1.0 - sums["real_tokens"] / max(sums["slots"], 1)
+            self._sums.clear()
+            self._last_log_time = now
+        super().log(logs, start_time)
+
+    def _reduce_sums(self) -> dict[str, float]:
+        keys = sorted(self._sums)
+        values = torch.tensor([self._sums[k] for k in keys], dtype=torch.float64)
+        if dist.is_available() and dist.is_initialized() and self.args.world_size > 1:
+            dist.all_reduce(values)
+        return dict(zip(keys, values.tolist()))
+
+    # --- evaluation ---------------------------------------------------------------------------
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        metrics, _ = self.evaluate_with_outputs(eval_dataset, metric_key_prefix)
+        return metrics
+
+    def evaluate_with_outputs(self, eval_dataset=None, metric_key_prefix: str = "eval"):
+        """Metrics over the whole eval set (gathered from all ranks) and the per-example outputs."""
+        start = time.perf_counter()
+        dataloader = self.get_eval_dataloader(eval_dataset)
+        model = self.model
+        was_training = model.training
+        model.eval()
+        examples, loss_sum, items = [], 0.0, 0
+        with torch.no_grad():
+            for batch in dataloader:
+                batch = self._prepare_inputs(batch)
+                with self.compute_loss_context_manager():
+                    out = self.forward_items(model, batch)
+                loss_sum += out.loss.double().sum().item()
+                items += out.loss.numel()
+                examples += self.example_outputs(batch, out)
+        model.train(was_training)
+        examples = _gather_objects(examples)
+        # DistributedSampler repeats a few examples to even out ranks: keep each record once.
+        unique = {ex["record"]: ex for ex in examples}
+        examples = [unique[k] for k in sorted(unique)]
+        totals = _gather_objects([(loss_sum, items)])
+        loss = sum(t[0] for t in totals) / max(sum(t[1] for t in totals), 1)
+        metrics = {"loss": loss, **self.metrics(examples)}
+        metrics["runtime"] = time.perf_counter() - start
+        metrics = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
+        if not math.isfinite(loss):
+            metrics[f"{metric_key_prefix}_loss"] = float("nan")
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics, examples

@@ -1,0 +1,266 @@
+"""Packing ("zero padding"): typed examples -> rows of at most ``max_seq_len`` -> padded batches.
+
+An ``Example`` is one tokenised unit (a PRM solution, a preference pair as [prompt | chosen |
+rejected], an SFT conversation). Besides tokens and positions it carries *readouts*: the token
+positions where the loss reads the model's output, what each is compared with and which part of
+the example it belongs to. Meaning per algorithm:
+
+=========  =======================  ====================================  ====================
+algorithm  readout_position         readout_target                        readout_part
+=========  =======================  ====================================  ====================
+PRM        each placeholder token   step label class (0 = '+', 1 = '-')   0
+ORM        last chosen / rejected   unused (0)                            0 chosen, 1 rejected
+LM (SFT,   token before a target    the target token id                   0 chosen, 1 rejected
+DPO)
+=========  =======================  ====================================  ====================
+
+Packing only offsets positions; readouts never cross an example (they stay inside its blocks).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from llm.utils.attention import Block, PackedAttention
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    position_ids: list[int]
+    blocks: list[Block]
+    readout_position: list[int] = field(default_factory=list)
+    readout_target: list[int] = field(default_factory=list)
+    readout_part: list[int] = field(default_factory=list)
+    record: int = -1  # index of the source record, for per-example outputs
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def causal_example(
+    input_ids: list[int],
+    readout_position: list[int],
+    readout_target: list[int],
+    readout_part: list[int] | None = None,
+    record: int = -1,
+) -> Example:
+    """A single causal sequence (PRM solution, SFT conversation)."""
+    n = len(input_ids)
+    return Example(
+        input_ids=list(input_ids),
+        position_ids=list(range(n)),
+        blocks=[Block(0, n, ((0, n),))],
+        readout_position=list(readout_position),
+        readout_target=list(readout_target),
+        readout_part=list(readout_part) if readout_part is not None else [0] * len(readout_position),
+        record=record,
+    )
+
+
+def pair_example(
+    prompt: list[int],
+    chosen: list[int],
+    rejected: list[int],
+    readout_position: list[int],
+    readout_target: list[int],
+    readout_part: list[int],
+    record: int = -1,
+) -> Example:
+    """[prompt | chosen | rejected]; rejected positions restart at len(prompt) and never see chosen.
+
+    Readout positions are given in this layout's coordinates (see ``pair_coordinates``).
+    """
+    p, c, r = len(prompt), len(chosen), len(rejected)
+    return Example(
+        input_ids=list(prompt) + list(chosen) + list(rejected),
+        position_ids=list(range(p + c)) + list(range(p, p + r)),
+        blocks=[Block(0, p + c, ((0, p + c),)), Block(p + c, p + c + r, ((0, p), (p + c, p + c + r)))],
+        readout_position=list(readout_position),
+        readout_target=list(readout_target),
+        readout_part=list(readout_part),
+        record=record,
+    )
+
+
+def pair_coordinates(p: int, c: int, r: int) -> tuple[list[int], list[int]]:
+    """Index, in the pair layout, of each token of the *virtual* sequences prompt+chosen and prompt+rejected.
+
+    ``chosen_idx[t]`` / ``rejected_idx[t]`` is where token t of the prompt+answer sequence lives. The
+    output predicting rejected token 0 is read at the last *prompt* position, not at the last chosen
+    token: ``rejected_idx[p - 1] == p - 1``.
+    """
+    chosen_idx = list(range(p + c))
+    rejected_idx = list(range(p)) + list(range(p + c, p + c + r))
+    return chosen_idx, rejected_idx
+
+
+@dataclass
+class PackedRow:
+    input_ids: list[int]
+    position_ids: list[int]
+    blocks: list[Block]
+    readout_position: list[int]
+    readout_target: list[int]
+    readout_part: list[int]
+    readout_example: list[int]  # index of the example within the row
+    records: list[int]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def plan_rows(lengths: Sequence[int], max_len: int, strategy: str | None) -> list[list[int]]:
+    """Group example indices into rows of total length <= max_len.
+
+    None: one example per row. 'sequential': fill rows in data order. 'greedy': best-fit
+    decreasing bin packing (longest first, each into the fullest row it still fits), which
+    brings the pad ratio from tens of percent to a few.
+    """
+    if any(n > max_len for n in lengths):
+        raise ValueError("plan_rows: an example is longer than max_len; apply the overlong policy first")
+    if strategy is None:
+        return [[i] for i in range(len(lengths))]
+    if strategy == "sequential":
+        rows: list[list[int]] = []
+        used = max_len + 1
+        for i, n in enumerate(lengths):
+            if used + n > max_len:
+                rows.append([])
+                used = 0
+            rows[-1].append(i)
+            used += n
+        return rows
+    if strategy == "greedy":
+        rows = []
+        free: list[tuple[int, int]] = []  # sorted (remaining capacity, row id)
+        for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+            n = lengths[i]
+            k = bisect.bisect_left(free, (n, -1))
+            if k == len(free):
+                rows.append([i])
+                bisect.insort(free, (max_len - n, len(rows) - 1))
+            else:
+                room, row = free.pop(k)
+                rows[row].append(i)
+                bisect.insort(free, (room - n, row))
+        return [sorted(r) for r in rows]
+    raise ValueError(f"unknown packing strategy {strategy!r}")
+
+
+def build_row(examples: Sequence[Example]) -> PackedRow:
+    row = PackedRow([], [], [], [], [], [], [], [])
+    for e_idx, ex in enumerate(examples):
+        offset = len(row.input_ids)
+        row.input_ids += ex.input_ids
+        row.position_ids += ex.position_ids
+        row.blocks += [b.shifted(offset) for b in ex.blocks]
+        row.readout_position += [p + offset for p in ex.readout_position]
+        row.readout_target += ex.readout_target
+        row.readout_part += ex.readout_part
+        row.readout_example += [e_idx] * len(ex.readout_position)
+        row.records.append(ex.record)
+    return row
+
+
+@dataclass
+class PackStats:
+    examples: int
+    rows: int
+    real_tokens: int
+    capacity: int  # rows * row length used for the pad ratio
+
+    @property
+    def pad_ratio(self) -> float:
+        return 1.0 - self.real_tokens / self.capacity if self.capacity else 0.0
+
+    def summary(self, strategy: str | None, max_len: int) -> str:
+        return (
+            f"packing={strategy or 'none'} max_seq_len={max_len}: {self.examples} examples -> {self.rows} rows, "
+            f"{self.real_tokens} real tokens, pad ratio {self.pad_ratio:.1%}"
+        )
+
+
+def pack(
+    examples: Sequence[Example], max_len: int, strategy: str | None, batch_size: int = 1
+) -> tuple[list[PackedRow], PackStats]:
+    """Pack examples into rows. The pad ratio assumes batches of ``batch_size`` consecutive rows
+    padded to their longest row (packed rows count as full ``max_len``)."""
+    plan = plan_rows([len(e) for e in examples], max_len, strategy)
+    rows = [build_row([examples[i] for i in idx]) for idx in plan]
+    real = sum(len(r) for r in rows)
+    if strategy is None:
+        capacity = sum(
+            max(len(r) for r in rows[i : i + batch_size]) * len(rows[i : i + batch_size])
+            for i in range(0, len(rows), batch_size)
+        )
+    else:
+        capacity = len(rows) * max_len
+    return rows, PackStats(len(examples), len(rows), real, capacity)
+
+
+@dataclass
+class PackedBatch:
+    """A padded batch of packed rows. Readout tensors index the flattened ``(rows * seq_len)`` outputs."""
+
+    input_ids: torch.Tensor  # (R, L)
+    position_ids: torch.Tensor  # (R, L)
+    attention: PackedAttention
+    readout_index: torch.Tensor  # (N,) flat index row * L + position
+    readout_target: torch.Tensor  # (N,)
+    readout_part: torch.Tensor  # (N,)
+    readout_example: torch.Tensor  # (N,) example index within the batch
+    records: torch.Tensor  # (E,) source record of each example
+    num_real_tokens: int
+
+    @property
+    def num_examples(self) -> int:
+        return int(self.records.numel())
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        tensors = {
+            k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()
+        }
+        return PackedBatch(**tensors)
+
+    def model_inputs(self) -> dict:
+        """Keyword arguments for a Hugging Face decoder using the ``packed_sdpa`` attention."""
+        return {
+            "input_ids": self.input_ids,
+            "position_ids": self.position_ids,
+            "packed_attention": self.attention,
+            "use_cache": False,  # with a cache transformers leaks attention across packed examples
+        }
+
+
+def collate(rows: Sequence[PackedRow], pad_token_id: int, pad_to: int | None = None) -> PackedBatch:
+    """Stack rows, right-padded to the longest row (or ``pad_to``)."""
+    length = max(len(r) for r in rows) if pad_to is None else pad_to
+    n_rows = len(rows)
+    input_ids = torch.full((n_rows, length), pad_token_id, dtype=torch.long)
+    position_ids = torch.zeros((n_rows, length), dtype=torch.long)
+    index, target, part, example, records = [], [], [], [], []
+    for r, row in enumerate(rows):
+        input_ids[r, : len(row)] = torch.tensor(row.input_ids, dtype=torch.long)
+        position_ids[r, : len(row)] = torch.tensor(row.position_ids, dtype=torch.long)
+        index += [r * length + p for p in row.readout_position]
+        target += row.readout_target
+        part += row.readout_part
+        example += [len(records) + e for e in row.readout_example]
+        records += row.records
+    as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    return PackedBatch(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention=PackedAttention([list(r.blocks) for r in rows], length),
+        readout_index=as_long(index),
+        readout_target=as_long(target),
+        readout_part=as_long(part),
+        readout_example=as_long(example),
+        records=as_long(records),
+        num_real_tokens=sum(len(r) for r in rows),
+    )

@@ -1,0 +1,153 @@
+"""Records -> packable ``Example``s, with the over-long policy applied and counted."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from llm.data.packing import Example, causal_example, pair_example
+from llm.utils.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+
+def single_token_id(tokenizer: PreTrainedTokenizerBase, token: str, field: str) -> int:
+    """Id of ``token``; stops the run if the tokenizer splits it."""
+    ids = tokenizer.encode(token, add_special_tokens=False)
+    if len(ids) != 1:
+        pieces = tokenizer.convert_ids_to_tokens(ids)
+        raise UserError(
+            f"{field}: {token!r} must be exactly one token, but the tokenizer splits it into {len(ids)}: {pieces}; "
+            "choose a token from the vocabulary or add it to the tokenizer"
+        )
+    return ids[0]
+
+
+def render_prompt(messages: list[dict], tokenizer: PreTrainedTokenizerBase, use_chat_template: bool) -> list[int]:
+    """Token ids of the conversation before the answer (with BOS when the tokenizer adds one)."""
+    if use_chat_template:
+        if tokenizer.chat_template is None:
+            raise UserError("use_chat_template is true but the tokenizer has no chat_template: set it false")
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    text = "\n".join(m["content"] for m in messages) + "\n"
+    return tokenizer(text)["input_ids"]
+
+
+@dataclass
+class EncodeConfig:
+    max_seq_len: int
+    max_prompt_len: int
+    overlong_policy: str = "truncate"  # or "skip"
+    use_chat_template: bool = False
+
+
+class OverlongCounter(Counter):
+    def report(self, what: str) -> str:
+        return f"{what}: {self['ok']} kept whole, {self['truncated']} truncated, {self['skipped']} skipped as too long"
+
+
+def _fit_prompt(prompt: list[int], cfg: EncodeConfig) -> list[int] | None:
+    if len(prompt) <= cfg.max_prompt_len:
+        return prompt
+    return prompt[-cfg.max_prompt_len :] if cfg.overlong_policy == "truncate" else None
+
+
+PRM_JOIN = " {placeholder}\n"
+
+
+def prm_response_text(steps: list[str], placeholder: str) -> str:
+    """PaddleNLP / Math-Shepherd layout: every step ends with the placeholder."""
+    return PRM_JOIN.format(placeholder=placeholder).join(steps) + f" {placeholder}"
+
+
+def encode_prm(
+    record,
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: EncodeConfig,
+    placeholder_id: int,
+    placeholder: str,
+    reward_tokens: tuple[str, str],
+    record_index: int,
+    counter: OverlongCounter,
+) -> Example | None:
+    """One solution -> causal example with a readout at every placeholder (target 0 '+', 1 '-').
+
+    Truncation cuts the response right after the last placeholder that fits, dropping the later
+    steps *with* their labels, so no label ever moves onto another step.
+    """
+    prompt = _fit_prompt(render_prompt(record.prompt, tokenizer, cfg.use_chat_template), cfg)
+    response = tokenizer(prm_response_text(record.steps, placeholder), add_special_tokens=False)["input_ids"]
+    marks = [i for i, t in enumerate(response) if t == placeholder_id]
+    if len(marks) != len(record.steps):
+        raise UserError(
+            f"{record.source}: record {record.index}: the response tokenises to {len(marks)} placeholder tokens "
+            f"for {len(record.steps)} steps (the tokenizer merges {placeholder!r} with its neighbours): "
+            "use a placeholder the tokenizer keeps as its own token"
+        )
+    targets = [reward_tokens.index(label) for label in record.labels]
+    status = "ok"
+    if prompt is None:
+        counter["skipped"] += 1
+        return None
+    room = cfg.max_seq_len - len(prompt)
+    if len(response) > room:
+        keep = [k for k, m in enumerate(marks) if m < room]
+        if cfg.overlong_policy == "skip" or not keep:
+            counter["skipped"] += 1
+            return None
+        last = keep[-1]
+        response, marks, targets = response[: marks[last] + 1], marks[: last + 1], targets[: last + 1]
+        status = "truncated"
+    elif len(prompt) < len(render_prompt(record.prompt, tokenizer, cfg.use_chat_template)):
+        status = "truncated"
+    counter[status] += 1
+    offset = len(prompt)
+    return causal_example(prompt + response, [offset + m for m in marks], targets, record=record_index)
+
+
+def encode_pair_for_scores(
+    record,
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: EncodeConfig,
+    record_index: int,
+    counter: OverlongCounter,
+) -> Example | None:
+    """[prompt | chosen + eos | rejected + eos]; readouts at the last chosen and last rejected token."""
+    full_prompt = render_prompt(record.prompt, tokenizer, cfg.use_chat_template)
+    prompt = _fit_prompt(full_prompt, cfg)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    chosen = tokenizer(record.chosen, add_special_tokens=False)["input_ids"] + eos
+    rejected = tokenizer(record.rejected, add_special_tokens=False)["input_ids"] + eos
+    if prompt is None:
+        counter["skipped"] += 1
+        return None
+    room = cfg.max_seq_len - len(prompt)
+    status = "ok" if len(prompt) == len(full_prompt) else "truncated"
+    if len(chosen) + len(rejected) > room:
+        if cfg.overlong_policy == "skip" or room < 2:
+            counter["skipped"] += 1
+            return None
+        # Share the room: the shorter answer is kept whole when it fits in half.
+        c_len = min(len(chosen), max(room // 2, room - len(rejected)))
+        r_len = min(len(rejected), room - c_len)
+        chosen, rejected = chosen[:c_len], rejected[:r_len]
+        status = "truncated"
+    counter[status] += 1
+    p, c, r = len(prompt), len(chosen), len(rejected)
+    return pair_example(prompt, chosen, rejected, [p + c - 1, p + c + r - 1], [0, 0], [0, 1], record=record_index)
+
+
+def encode_all(records: Iterable, encode, what: str, **kwargs) -> tuple[list[Example], OverlongCounter]:
+    counter = OverlongCounter()
+    examples = []
+    for i, record in enumerate(records):
+        ex = encode(record, record_index=i, counter=counter, **kwargs)
+        if ex is not None:
+            examples.append(ex)
+    logger.info(counter.report(what))
+    return examples, counter

@@ -1,0 +1,274 @@
+"""PaddleNLP-style arguments: one flat JSON file, overridden by ``--field value`` on the command line.
+
+Each JSON key is routed to the dataclass that declares it (``ModelArgument``, ``DataArgument``,
+``TrainingArguments``). Paddle names are mapped onto the PyTorch mechanism that does the same job;
+a field that cannot take effect in this build stops the run at start-up with a message saying what
+to change, instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import transformers
+from transformers import HfArgumentParser
+
+from llm.utils.errors import UserError, closest
+
+
+@dataclass
+class ModelArgument:
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Hugging Face checkpoint directory (or hub id already in the local cache)."}
+    )
+    tokenizer_name_or_path: str | None = field(
+        default=None, metadata={"help": "Tokenizer directory; defaults to model_name_or_path."}
+    )
+    init_from_config: bool = field(
+        default=False,
+        metadata={
+            "help": "Build the model with random weights (seeded by `seed`) from the config.json in "
+            "model_name_or_path instead of loading weights. For tests and the bundled tiny demo."
+        },
+    )
+    use_flash_attention: bool = field(
+        default=False, metadata={"help": "CUDA only: flash-attn varlen kernel for packed rows (needs flash-attn)."}
+    )
+    flash_mask: bool = field(
+        default=False,
+        metadata={"help": "Sparse packed-sequence mask: FlexAttention on CUDA, segment-wise SDPA on CPU."},
+    )
+    recompute_granularity: str = field(
+        default="full", metadata={"help": "Activation checkpointing granularity: full | full_attn | core_attn."}
+    )
+    virtual_pp_degree: int = field(default=1, metadata={"help": "Virtual pipeline stages (pipeline parallel)."})
+    placeholder_token: str = field(default="ки", metadata={"help": "PRM step placeholder token (one token)."})
+    reward_tokens: str = field(
+        default="+,-", metadata={"help": "PRM label tokens 'positive,negative'; each must be one token."}
+    )
+
+
+@dataclass
+class DataArgument:
+    train_dataset_path: str | None = field(
+        default=None,
+        metadata={"help": "Training data: .json/.jsonl/.parquet file or HF dataset dir; comma-separate to mix."},
+    )
+    dev_dataset_path: str | None = field(default=None, metadata={"help": "Evaluation data (same formats)."})
+    dataset_probs: str | None = field(
+        default=None, metadata={"help": "Sampling probabilities for mixed training files, e.g. '0.7,0.3'."}
+    )
+    max_seq_len: int = field(default=4096, metadata={"help": "Maximum tokens per (packed) row."})
+    max_prompt_len: int = field(default=2048, metadata={"help": "Maximum prompt tokens (prompt kept from the right)."})
+    zero_padding: bool = field(default=False, metadata={"help": "Pack several examples into one row."})
+    greedy_zero_padding: bool = field(
+        default=False, metadata={"help": "Bin-pack examples (first-fit decreasing) to cut the pad ratio."}
+    )
+    overlong_policy: str = field(
+        default="truncate",
+        metadata={"help": "Examples longer than max_seq_len: 'truncate' (at a step boundary for PRM) or 'skip'."},
+    )
+    lazy: bool = field(default=False, metadata={"help": "Stream the training file instead of loading it (no shuffling)."})
+    use_chat_template: bool = field(
+        default=False, metadata={"help": "Format prompts with the tokenizer's chat template."}
+    )
+    benchmark: bool = field(default=False, metadata={"help": "Timing run: train only, no evaluation, no saving."})
+    autotuner_benchmark: bool = field(default=False, metadata={"help": "Same as benchmark (PaddleNLP autotuner)."})
+
+    def __post_init__(self) -> None:
+        if self.overlong_policy not in ("truncate", "skip"):
+            raise UserError(f"overlong_policy must be 'truncate' or 'skip', got {self.overlong_policy!r}")
+        if self.max_prompt_len >= self.max_seq_len:
+            raise UserError(
+                f"max_prompt_len ({self.max_prompt_len}) must be smaller than max_seq_len ({self.max_seq_len}): "
+                "lower max_prompt_len or raise max_seq_len"
+            )
+
+    @property
+    def pack(self) -> str | None:
+        """Packing strategy: None (one example per row), 'sequential' or 'greedy'."""
+        if self.greedy_zero_padding:
+            return "greedy"
+        return "sequential" if self.zero_padding else None
+
+
+SHARDING_WORDS = ("stage1", "stage2", "stage3", "offload")
+
+
+@dataclass
+class TrainingArguments(transformers.TrainingArguments):
+    report_to: None | str | list[str] = field(
+        default="tensorboard", metadata={"help": "Loggers: tensorboard (default), none, wandb, ..."}
+    )
+    evaluation_strategy: str | None = field(
+        default=None, metadata={"help": "PaddleNLP/old HF name of eval_strategy (no | steps | epoch)."}
+    )
+    warmup_ratio: float = field(default=0.0, metadata={"help": "Warmup as a ratio of total steps; warmup_steps wins."})
+    fp16_opt_level: str = field(
+        default="O1", metadata={"help": "O1: autocast mixed precision; O2: half-precision weights."}
+    )
+    tensor_parallel_degree: int = field(default=1, metadata={"help": "Tensor parallel degree."})
+    sharding_parallel_degree: int = field(default=1, metadata={"help": "Processes in a sharding group (-1 = all)."})
+    sharding: str = field(
+        default="", metadata={"help": "stage1 | stage2 | stage3 [offload]: FSDP-style sharding of optimizer/grads/params."}
+    )
+    recompute: bool = field(default=False, metadata={"help": "Activation checkpointing."})
+    unified_checkpoint: bool = field(
+        default=True, metadata={"help": "Save one Hugging Face safetensors checkpoint (always the case here)."}
+    )
+    process_reward: bool = field(default=False, metadata={"help": "true: process reward model (PRM); false: ORM."})
+    margin: float = field(default=0.0, metadata={"help": "ORM: loss -log sigmoid(s_c - s_r - margin)."})
+    center_rewards_coefficient: float = field(
+        default=0.0, metadata={"help": "ORM: coefficient of mean((s_c + s_r)^2) (reward centering)."}
+    )
+
+    def __post_init__(self) -> None:
+        if self.evaluation_strategy is not None:
+            if self.eval_strategy not in ("no", self.evaluation_strategy):
+                raise UserError(
+                    f"evaluation_strategy={self.evaluation_strategy!r} and eval_strategy={self.eval_strategy!r} "
+                    "disagree: keep one of them"
+                )
+            self.eval_strategy = self.evaluation_strategy
+        if not self.warmup_steps and self.warmup_ratio:
+            if not 0 <= self.warmup_ratio < 1:
+                raise UserError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+            self.warmup_steps = self.warmup_ratio
+        if self.fp16_opt_level not in ("O1", "O2"):
+            raise UserError(f"fp16_opt_level must be 'O1' or 'O2', got {self.fp16_opt_level!r}")
+        if self.recompute:
+            self.gradient_checkpointing = True
+            self.gradient_checkpointing_kwargs = {"use_reentrant": False}
+        # Our collators build typed packed batches; HF must not drop "unused" columns.
+        self.remove_unused_columns = False
+        try:
+            super().__post_init__()
+        except ValueError as err:
+            raise UserError(str(err)) from None
+
+    @property
+    def sharding_stages(self) -> list[str]:
+        words = self.sharding.replace(",", " ").split()
+        bad = [w for w in words if w not in SHARDING_WORDS]
+        if bad:
+            raise UserError(f"sharding: unknown value(s) {bad}; use stage1, stage2 or stage3, optionally with offload")
+        return words
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def validate_arguments(model_args: ModelArgument, data_args: DataArgument, training_args: TrainingArguments) -> None:
+    """Cross-field checks. Every accepted field either takes effect or stops the run here."""
+    if model_args.model_name_or_path is None:
+        raise UserError("model_name_or_path is required: point it at a Hugging Face checkpoint directory")
+    if model_args.recompute_granularity not in ("full", "full_attn", "core_attn"):
+        raise UserError(
+            f"recompute_granularity must be full, full_attn or core_attn, got {model_args.recompute_granularity!r}"
+        )
+    if training_args.recompute and model_args.recompute_granularity != "full":
+        raise UserError(
+            f"recompute_granularity={model_args.recompute_granularity!r} is not available in this build "
+            "(Hugging Face activation checkpointing works per decoder layer): set it to 'full'"
+        )
+    if model_args.virtual_pp_degree != 1:
+        raise UserError("virtual_pp_degree: pipeline parallelism is not available in this build; set it to 1")
+    if model_args.use_flash_attention:
+        if not torch.cuda.is_available():
+            raise UserError(
+                "use_flash_attention needs a CUDA device and the flash-attn package; on CPU set it to false "
+                "(the CPU packed path gives exact results)"
+            )
+        try:
+            import flash_attn  # noqa: F401
+        except ImportError:
+            raise UserError("use_flash_attention: flash-attn is not installed; pip install flash-attn or set it false")
+    if training_args.fp16_opt_level == "O2" and not (training_args.bf16 or training_args.fp16):
+        raise UserError("fp16_opt_level 'O2' (half-precision weights) needs bf16 or fp16 set to true")
+    if training_args.fp16 and not torch.cuda.is_available():
+        raise UserError("fp16 needs a CUDA device; on CPU use bf16 instead")
+    ws = world_size()
+    if training_args.tensor_parallel_degree != 1:
+        raise UserError(
+            f"tensor_parallel_degree={training_args.tensor_parallel_degree} cannot take effect in this build "
+            f"(world size {ws}; tensor parallelism is not wired yet): set it to 1"
+        )
+    stages = training_args.sharding_stages
+    shard_degree = training_args.sharding_parallel_degree
+    if stages and (ws > 1 or shard_degree not in (1, -1)):
+        raise UserError(
+            f"sharding={training_args.sharding!r} across {ws} processes (sharding_parallel_degree={shard_degree}) "
+            "is not wired to FSDP yet: remove 'sharding' to run data parallel, or run one process"
+        )
+    if not stages and shard_degree not in (1, -1):
+        raise UserError("sharding_parallel_degree > 1 needs sharding set (stage1, stage2 or stage3)")
+    if data_args.dataset_probs and not data_args.train_dataset_path:
+        raise UserError("dataset_probs needs train_dataset_path with several comma-separated files")
+    if data_args.lazy and training_args.max_steps <= 0 and training_args.do_train:
+        raise UserError("lazy streaming has no length: set max_steps > 0")
+    if data_args.benchmark or data_args.autotuner_benchmark:
+        training_args.do_eval = False
+        training_args.eval_strategy = "no"
+        training_args.save_strategy = "no"
+
+
+ARGUMENT_TYPES = (ModelArgument, DataArgument, TrainingArguments)
+
+
+def _cli_names(cli: list[str], parser: HfArgumentParser) -> list[str]:
+    """Destination names of the options given on the command line, in order."""
+    by_flag = {}
+    for action in parser._actions:
+        for flag in action.option_strings:
+            by_flag[flag] = action.dest
+    names = []
+    for token in cli:
+        if token.startswith("--"):
+            flag = token.split("=", 1)[0]
+            if flag not in by_flag:
+                valid = [f.lstrip("-") for f in by_flag]
+                raise UserError(f"command line: unknown option {flag}; closest valid names: {closest(flag[2:], valid)}")
+            names.append(by_flag[flag])
+    return names
+
+
+def parse_arguments(
+    argv: list[str], types: tuple[type, ...] = ARGUMENT_TYPES
+) -> tuple[Any, ...]:
+    """``CONFIG.json [--field value ...]`` -> one instance per dataclass in ``types``."""
+    if not argv or not argv[0].endswith(".json"):
+        raise UserError("usage: run_x.py CONFIG.json [--field value ...]")
+    path = argv[0]
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file") from None
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path}: must hold one JSON object of field: value pairs")
+    parser = HfArgumentParser(types)
+    valid = {f.name for t in types for f in dataclasses.fields(t) if f.init}
+    for key in config:
+        if key not in valid:
+            raise UserError(f"{path}: unknown key {key!r}; closest valid names: {closest(key, valid)}")
+    cli = argv[1:]
+    given = _cli_names(cli, parser)
+    namespace, rest = parser.parse_known_args(cli)
+    if rest:
+        raise UserError(f"command line: cannot parse {' '.join(rest)}; use --field value pairs")
+    merged = dict(config)
+    merged.update({name: getattr(namespace, name) for name in given})
+    try:
+        return parser.parse_dict(merged)
+    except UserError as err:
+        raise UserError(f"{path}: {err}") from None
+    except (ValueError, TypeError) as err:
+        raise UserError(f"{path}: {err}") from None

@@ -1,0 +1,213 @@
+"""One description of the packed attention mask, and the kernels that consume it.
+
+A packed row holds several examples. Which query may see which key is described by a list of
+``Block``s: queries ``[q_start, q_end)`` attend to the concatenation of the key ranges ``kv``,
+causally aligned to the bottom-right (the last query sees every listed key, the first query sees
+all keys except the last ``q_end - q_start - 1``). Two layouts occur:
+
+Document-causal packing, two examples A (3 tokens) and B (2 tokens)::
+
+    keys ->      A0 A1 A2 B0 B1      blocks: (0, 3, kv=[(0, 3)])
+    A0           x                           (3, 5, kv=[(3, 5)])
+    A1           x  x
+    A2           x  x  x
+    B0                    x          positions: 0 1 2 0 1
+    B1                    x  x
+
+Preference pair sharing its prompt, [P P | C C | R R] (prompt computed once)::
+
+    keys ->      P0 P1 C0 C1 R0 R1   blocks: (0, 4, kv=[(0, 4)])
+    P0           x                           (4, 6, kv=[(0, 2), (4, 6)])
+    P1           x  x
+    C0           x  x  x             positions: 0 1 2 3 2 3
+    C1           x  x  x  x          (rejected restarts at the prompt length)
+    R0           x  x        x
+    R1           x  x        x  x
+
+The same thing in FlashMask form: key column j is visible to query rows ``j <= i < st[j]``, with
+``st`` = end of the example for prompt/rejected/plain columns and = start of the rejected part for
+chosen columns (``flash_start_rows``).
+
+Kernels (see PACKING-NOTES.md for which transformers paths are silently wrong):
+- ``packed_sdpa``: registered in transformers' AttentionInterface; runs SDPA block by block.
+  Exact on every device, fastest on CPU, no L x L mask.
+- ``dense_mask``: a 4-D boolean mask (True = attend) for the stock ``sdpa`` implementation; the
+  reference path in tests.
+- FlexAttention ``BlockMask`` (``flex_block_mask``) and flash-attn varlen (document-causal only) on CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+PACKED_SDPA = "packed_sdpa"
+
+
+@dataclass(frozen=True)
+class Block:
+    """Queries ``[q_start, q_end)`` attend to the key ranges ``kv`` (concatenated), bottom-right causal."""
+
+    q_start: int
+    q_end: int
+    kv: tuple[tuple[int, int], ...]
+
+    def shifted(self, offset: int) -> Block:
+        return Block(self.q_start + offset, self.q_end + offset, tuple((a + offset, b + offset) for a, b in self.kv))
+
+    @property
+    def is_document_causal(self) -> bool:
+        return self.kv == ((self.q_start, self.q_end),)
+
+
+@dataclass
+class PackedAttention:
+    """Per-row attention blocks of a padded batch of packed rows (rows are padded to ``seq_len``)."""
+
+    blocks: list[list[Block]]
+    seq_len: int
+    kernel: str = "sdpa"  # "sdpa" (block-wise SDPA), "flash_varlen" (CUDA, document-causal only)
+
+    @property
+    def is_document_causal(self) -> bool:
+        return all(b.is_document_causal for row in self.blocks for b in row)
+
+    def dense_mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Boolean mask ``(rows, 1, L, L)``, True = attend. Padding queries see only themselves (no NaN)."""
+        rows, length = len(self.blocks), self.seq_len
+        mask = torch.zeros(rows, 1, length, length, dtype=torch.bool)
+        mask[:, 0].diagonal(dim1=-2, dim2=-1).fill_(True)
+        for r, row in enumerate(self.blocks):
+            for b in row:
+                keys = torch.cat([torch.arange(s, e) for s, e in b.kv])
+                q_len, k_len = b.q_end - b.q_start, len(keys)
+                allowed = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
+                mask[r, 0, b.q_start : b.q_end][:, keys] = allowed
+        return mask.to(device)
+
+    def flash_start_rows(self) -> torch.Tensor:
+        """FlashMask form ``(rows, L)``: key j is seen by queries ``j <= i < st[j]``. Exact for the two layouts."""
+        dense = self.dense_mask()[:, 0]
+        length = self.seq_len
+        rows = torch.arange(length)
+        st = torch.empty(len(self.blocks), length, dtype=torch.long)
+        for r in range(len(self.blocks)):
+            for j in range(length):
+                seen = rows[dense[r, :, j]]
+                st[r, j] = seen.max() + 1 if len(seen) else j
+                # FlashMask can only express a contiguous run of rows starting at the diagonal.
+                assert len(seen) == 0 or (seen.min() == j and len(seen) == st[r, j] - j), "not FlashMask-expressible"
+        return st
+
+    def cu_seqlens(self, device: torch.device | str) -> tuple[torch.Tensor, int]:
+        """flash-attn varlen metadata over the flattened batch (document-causal layouts only)."""
+        assert self.is_document_causal
+        bounds, longest = [0], 0
+        for r, row in enumerate(self.blocks):
+            for b in sorted(row, key=lambda b: b.q_start):
+                bounds.append(r * self.seq_len + b.q_end)
+                longest = max(longest, b.q_end - b.q_start)
+        return torch.tensor(bounds, dtype=torch.int32, device=device), longest
+
+
+def _bottom_right_causal(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)
+
+
+def _gather_ranges(x: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    if len(ranges) == 1:
+        s, e = ranges[0]
+        return x[:, :, s:e]
+    return torch.cat([x[:, :, s:e] for s, e in ranges], dim=2)
+
+
+def blockwise_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    packed: PackedAttention,
+    scaling: float | None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """SDPA block by block. q ``(B, H, L, D)``, k/v ``(B, Hkv, L, D)`` -> ``(B, H, L, D)``; padding -> 0."""
+    gqa = key.shape[1] != query.shape[1]
+    out_rows = []
+    for r, row in enumerate(packed.blocks):
+        q_r, k_r, v_r = query[r : r + 1], key[r : r + 1], value[r : r + 1]
+        pieces, cursor = [], 0
+        for b in sorted(row, key=lambda b: b.q_start):
+            if b.q_start > cursor:
+                pieces.append(q_r.new_zeros(1, q_r.shape[1], b.q_start - cursor, q_r.shape[3]))
+            q = q_r[:, :, b.q_start : b.q_end]
+            k, v = _gather_ranges(k_r, b.kv), _gather_ranges(v_r, b.kv)
+            if b.is_document_causal:
+                o = F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=scaling, dropout_p=dropout, enable_gqa=gqa
+                )
+            else:
+                mask = _bottom_right_causal(q.shape[2], k.shape[2], q.device)
+                o = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, scale=scaling, dropout_p=dropout, enable_gqa=gqa
+                )
+            pieces.append(o)
+            cursor = b.q_end
+        if cursor < packed.seq_len:
+            pieces.append(q_r.new_zeros(1, q_r.shape[1], packed.seq_len - cursor, q_r.shape[3]))
+        out_rows.append(torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0])
+    return torch.cat(out_rows, dim=0) if len(out_rows) > 1 else out_rows[0]
+
+
+def flash_varlen(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed: PackedAttention, scaling: float | None
+) -> torch.Tensor:  # pragma: no cover - needs CUDA and flash-attn
+    from flash_attn import flash_attn_varlen_func
+
+    rows, heads, length, dim = query.shape
+    cu, longest = packed.cu_seqlens(query.device)
+    q = query.transpose(1, 2).reshape(rows * length, heads, dim)
+    k = key.transpose(1, 2).reshape(rows * length, key.shape[1], dim)
+    v = value.transpose(1, 2).reshape(rows * length, value.shape[1], dim)
+    out = flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, softmax_scale=scaling, causal=True)
+    return out.reshape(rows, length, heads, dim).transpose(1, 2)
+
+
+def packed_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    packed_attention: PackedAttention | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function. Without ``packed_attention`` it is plain SDPA (generation, eval)."""
+    if packed_attention is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    dropout = dropout if module.training else 0.0
+    if packed_attention.kernel == "flash_varlen" and packed_attention.is_document_causal:
+        out = flash_varlen(query, key, value, packed_attention, scaling)
+    else:
+        out = blockwise_sdpa(query, key, value, packed_attention, scaling, dropout)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
+
+
+def flex_block_mask(packed: PackedAttention, device: torch.device | str):
+    """FlexAttention ``BlockMask`` for the same description (CUDA training; forward also works on CPU)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    dense = packed.dense_mask(device)[:, 0]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return dense[b, q_idx, kv_idx]
+
+    return create_block_mask(mask_mod, B=len(packed.blocks), H=None, Q_LEN=packed.seq_len, KV_LEN=packed.seq_len,
+                             device=device)

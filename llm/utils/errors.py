@@ -1,0 +1,26 @@
+"""User-facing errors: one clear message and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from collections.abc import Callable, Iterable
+
+
+class UserError(ValueError):
+    """Bad configuration or bad data. The message names the file, record/field and the fix."""
+
+
+def closest(name: str, candidates: Iterable[str], n: int = 3) -> str:
+    """Human-readable list of the valid names closest to ``name``."""
+    matches = difflib.get_close_matches(name, list(candidates), n=n, cutoff=0.5)
+    return ", ".join(repr(m) for m in matches) if matches else "(no close match)"
+
+
+def run_cli(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> None:
+    """Run an entry point; a UserError prints its message and exits with status 2."""
+    try:
+        main(argv)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)

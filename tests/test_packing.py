@@ -1,0 +1,245 @@
+"""Packed == unpacked: per-example logits, losses and gradients, on Llama, Mistral and Qwen2.
+
+The oracle is each example run alone through the stock model (no mask, no packing). The negative
+controls show these tests catch the silently wrong transformers paths listed in PACKING-NOTES.md.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llm.data.packing import causal_example, collate, pack, pair_coordinates, pair_example, plan_rows
+from llm.utils.attention import Block, PackedAttention, flex_block_mask
+from tests.helpers import ROOT, tiny_model, twin
+
+ARCHS = ["llama", "mistral", "qwen2"]
+
+
+def random_ids(n, gen):
+    return torch.randint(3, 600, (n,), generator=gen).tolist()
+
+
+def make_examples(gen):
+    causal = [causal_example(random_ids(n, gen), [], [], record=i) for i, n in enumerate([7, 19, 4, 12, 25, 9])]
+    p, c, r = random_ids(6, gen), random_ids(5, gen), random_ids(8, gen)
+    pair = pair_example(p, c, r, [], [], [], record=len(causal))
+    return causal + [pair], (p, c, r)
+
+
+def alone_logits(model, ids):
+    return model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+
+
+def per_example_packed(logits, rows):
+    """Yield (record, segment logits) of each causal example / (record, chosen, rejected) views of pairs."""
+    for r, row in enumerate(rows):
+        i = 0
+        blocks = row.blocks
+        while i < len(blocks):
+            b = blocks[i]
+            if i + 1 < len(blocks) and len(blocks[i + 1].kv) == 2:
+                yield r, ("pair", b, blocks[i + 1])
+                i += 2
+            else:
+                yield r, ("causal", b, None)
+                i += 1
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("strategy", [None, "sequential", "greedy"])
+def test_packed_logits_equal_alone(arch, strategy):
+    gen = torch.Generator().manual_seed(0)
+    examples, (p, c, r) = make_examples(gen)
+    model = tiny_model(arch).eval()
+    stock = twin(model, "sdpa").eval()
+    rows, _ = pack(examples, 40, strategy)
+    batch = collate(rows, pad_token_id=0)
+    with torch.no_grad():
+        packed = model(**batch.model_inputs()).logits
+        worst = 0.0
+        for row_i, (kind, b, b2) in per_example_packed(packed, rows):
+            ids = rows[row_i].input_ids
+            if kind == "causal":
+                ref = alone_logits(stock, ids[b.q_start : b.q_end])
+                worst = max(worst, (packed[row_i, b.q_start : b.q_end] - ref).abs().max().item())
+            else:
+                n_p = b2.kv[0][1] - b2.kv[0][0]
+                chosen = alone_logits(stock, ids[b.q_start : b.q_end])
+                rejected = alone_logits(stock, ids[b.q_start : b.q_start + n_p] + ids[b2.q_start : b2.q_end])
+                worst = max(worst, (packed[row_i, b.q_start : b.q_end] - chosen).abs().max().item())
+                worst = max(worst, (packed[row_i, b2.q_start : b2.q_end] - rejected[n_p:]).abs().max().item())
+    assert worst <= 1e-5, worst
+
+
+def lm_loss_packed(model, examples, strategy):
+    """Summed next-token loss of every example read from packed rows (pairs: both answers)."""
+    readout = []
+    for ex in examples:
+        n = len(ex)
+        if len(ex.blocks) == 1:
+            pos = list(range(n - 1))
+            tgt = ex.input_ids[1:]
+        else:
+            p = ex.blocks[1].kv[0][1]
+            c = ex.blocks[0].q_end - p
+            r = n - p - c
+            ci, ri = pair_coordinates(p, c, r)
+            seq_c = [ex.input_ids[i] for i in ci]
+            seq_r = [ex.input_ids[i] for i in ri]
+            pos = [ci[t] for t in range(p - 1, p + c - 1)] + [ri[t] for t in range(p - 1, p + r - 1)]
+            tgt = seq_c[p:] + seq_r[p:]
+        ex.readout_position, ex.readout_target, ex.readout_part = pos, tgt, [0] * len(pos)
+        readout.append(ex)
+    rows, _ = pack(readout, 40, strategy)
+    batch = collate(rows, pad_token_id=0)
+    logits = model(**batch.model_inputs()).logits
+    flat = logits.reshape(-1, logits.shape[-1])[batch.readout_index]
+    return F.cross_entropy(flat, batch.readout_target, reduction="sum")
+
+
+def lm_loss_alone(model, examples):
+    total = 0.0
+    for ex in examples:
+        if len(ex.blocks) == 1:
+            seqs = [(ex.input_ids, 0)]
+        else:
+            p = ex.blocks[1].kv[0][1]
+            c = ex.blocks[0].q_end - p
+            seqs = [(ex.input_ids[: p + c], p - 1), (ex.input_ids[:p] + ex.input_ids[p + c :], p - 1)]
+        for ids, start in seqs:
+            logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+            total = total + F.cross_entropy(logits[start:-1], torch.tensor(ids[start + 1 :]), reduction="sum")
+    return total
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_loss_and_gradients_equal_alone(arch):
+    gen = torch.Generator().manual_seed(1)
+    examples, _ = make_examples(gen)
+    model = tiny_model(arch)
+    stock = twin(model, "sdpa")
+    for strategy in ("sequential", "greedy"):
+        model.zero_grad()
+        stock.zero_grad()
+        packed = lm_loss_packed(model, [causal_example(e.input_ids, [], []) if len(e.blocks) == 1 else e
+                                        for e in examples], strategy)
+        alone = lm_loss_alone(stock, examples)
+        packed.backward()
+        alone.backward()
+        assert abs(packed.item() - alone.item()) <= 1e-5 * abs(alone.item()), (packed.item(), alone.item())
+        grads = dict(stock.named_parameters())
+        for name, param in model.named_parameters():
+            ref = grads[name].grad
+            rel = (param.grad - ref).norm() / ref.norm().clamp_min(1e-12)
+            assert rel <= 1e-4, (strategy, name, rel.item())
+
+
+def test_first_rejected_token_is_read_from_last_prompt_position():
+    p, c, r = 3, 2, 4
+    chosen_idx, rejected_idx = pair_coordinates(p, c, r)
+    assert rejected_idx[p - 1] == p - 1  # not the last chosen token (index p + c - 1)
+    assert rejected_idx[p] == p + c
+    assert chosen_idx == list(range(p + c))
+
+
+def test_stock_paths_that_leak_are_caught():
+    """Negative control: position ids alone (default use_cache) leak across examples; a 2-D mask too."""
+    gen = torch.Generator().manual_seed(2)
+    examples, _ = make_examples(gen)
+    model = tiny_model("llama").eval()
+    stock = twin(model, "sdpa").eval()
+    rows, _ = pack(examples[:3], 40, "sequential")
+    batch = collate(rows, pad_token_id=0)
+    b = rows[0].blocks[1]
+    with torch.no_grad():
+        ref = alone_logits(stock, rows[0].input_ids[b.q_start : b.q_end])
+        leaky = stock(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                      attention_mask=torch.ones_like(batch.input_ids)).logits[0, b.q_start : b.q_end]
+        ours = model(**batch.model_inputs()).logits[0, b.q_start : b.q_end]
+    assert (leaky - ref).abs().max() > 1e-3  # the equality tests above would flag this path
+    assert (ours - ref).abs().max() <= 1e-5
+
+
+def test_dense_and_flex_masks_agree_with_blockwise():
+    gen = torch.Generator().manual_seed(3)
+    examples, _ = make_examples(gen)
+    model = tiny_model("qwen2").eval()
+    dense_model = twin(model, "sdpa").eval()
+    flex_model = twin(model, "flex_attention").eval()
+    rows, _ = pack(examples, 64, "greedy")
+    batch = collate(rows, pad_token_id=0, pad_to=64)
+    with torch.no_grad():
+        ours = model(**batch.model_inputs()).logits
+        dense = dense_model(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                            attention_mask=batch.attention.dense_mask(), use_cache=False).logits
+        flex = flex_model(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                          attention_mask=flex_block_mask(batch.attention, "cpu"), use_cache=False).logits
+    for r, row in enumerate(rows):
+        n = len(row)
+        assert (ours[r, :n] - dense[r, :n]).abs().max() <= 1e-5
+        assert (ours[r, :n] - flex[r, :n]).abs().max() <= 1e-5
+
+
+def test_flash_start_rows_of_pair_layout():
+    # [P P | C C | R R]: prompt and rejected columns see rows up to the end (6), chosen up to rejected start (4).
+    attn = PackedAttention([[Block(0, 4, ((0, 4),)), Block(4, 6, ((0, 2), (4, 6)))]], 6)
+    assert attn.flash_start_rows().tolist() == [[6, 6, 4, 4, 6, 6]]
+
+
+def test_packing_invariants():
+    gen = torch.Generator().manual_seed(4)
+    examples, _ = make_examples(gen)
+    for ex in examples:  # a readout on every token, to check none leaves its example
+        ex.readout_position = list(range(len(ex)))
+        ex.readout_target = [0] * len(ex)
+        ex.readout_part = [0] * len(ex)
+    rows, stats = pack(examples, 40, "greedy")
+    assert stats.examples == len(examples) and sum(len(r.records) for r in rows) == len(examples)
+    batch = collate(rows, pad_token_id=0)
+    mask = batch.attention.dense_mask()[:, 0]
+    for r, row in enumerate(rows):
+        owner = [-1] * batch.input_ids.shape[1]
+        start = 0
+        for e_idx, rec in enumerate(row.records):
+            n = len(examples[rec])
+            owner[start : start + n] = [e_idx] * n
+            # positions restart at 0 for each example
+            assert row.position_ids[start] == 0
+            start += n
+        owner_t = torch.tensor(owner)
+        cross = (owner_t[:, None] != owner_t[None, :]) & (owner_t[:, None] >= 0)
+        assert not (mask[r] & cross).any(), "a token attends across examples"
+        for pos, ex_i in zip(row.readout_position, row.readout_example):
+            assert owner[pos] == ex_i, "a readout crosses an example boundary"
+
+
+def test_plan_rows_respects_capacity_and_keeps_every_example():
+    lengths = [5, 17, 3, 30, 12, 8, 8, 22, 1]
+    for strategy in (None, "sequential", "greedy"):
+        plan = plan_rows(lengths, 32, strategy)
+        assert sorted(i for row in plan for i in row) == list(range(len(lengths)))
+        assert all(sum(lengths[i] for i in row) <= 32 for row in plan)
+    assert plan_rows([5, 30, 3], 32, "sequential") == [[0], [1], [2]]
+    assert len(plan_rows([5, 30, 3], 32, "greedy")) == 2
+
+
+def test_greedy_pad_ratio_on_bundled_data_under_5_percent():
+    from llm.data.tokenize import prm_response_text
+    from tests.helpers import tokenizer
+
+    tok = tokenizer()
+    lengths = []
+    with open(os.path.join(ROOT, "llm", "data", "sample", "prm_train.jsonl"), encoding="utf-8") as f:
+        for line in f:
+            rec = json.loads(line)
+            lengths.append(len(tok(rec["src"][0] + "\n")["input_ids"])
+                           + len(tok(prm_response_text(rec["responses"], "ки"), add_special_tokens=False)["input_ids"]))
+    examples = [causal_example([1] * n, [], []) for n in lengths]
+    _, greedy = pack(examples, 1024, "greedy")
+    _, padded = pack(examples, 1024, None, batch_size=8)
+    print(f"pad ratio: greedy {greedy.pad_ratio:.2%}, padded batches of 8 {padded.pad_ratio:.2%}")
+    assert greedy.pad_ratio < 0.05
+    assert padded.pad_ratio > greedy.pad_ratio
