@@ -1,7 +1,7 @@
 """Train and/or evaluate an outcome (ORM) or process (PRM) reward model.
 
-    python llm/run_reward.py llm/config/tiny/prm_argument.json [--field value ...]
-    torchrun --nproc_per_node 2 llm/run_reward.py llm/config/mistral/prm_argument.json
+python llm/run_reward.py llm/config/tiny/prm_argument.json [--field value ...]
+torchrun --nproc_per_node 2 llm/run_reward.py llm/config/mistral/prm_argument.json
 """
 
 import os
@@ -9,17 +9,17 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from llm.alignment.rm.build import build_reward_trainer, write_json, write_scores  # noqa: E402
-from llm.utils.arguments import parse_arguments, validate_arguments  # noqa: E402
-from llm.utils.errors import run_cli  # noqa: E402
-from llm.utils.logging import resume_checkpoint, setup_logging  # noqa: E402
+from llm.alignment.rm.build import build_reward_trainer, write_json, write_scores
+from llm.utils.arguments import parse_arguments, validate_arguments
+from llm.utils.errors import run_cli
+from llm.utils.logging import resume_checkpoint, setup_logging
 
 
 def main(argv: list[str] | None = None) -> None:
     model_args, data_args, training_args = parse_arguments(sys.argv[1:] if argv is None else argv)
     validate_arguments(model_args, data_args, training_args)
     setup_logging(training_args)
-    trainer, train, dev = build_reward_trainer(model_args, data_args, training_args)
+    trainer, _train, dev = build_reward_trainer(model_args, data_args, training_args)
     out = training_args.output_dir
     results = {}
     if training_args.do_train:

@@ -52,7 +52,7 @@ def per_example_packed(logits, rows):
 @pytest.mark.parametrize("strategy", [None, "sequential", "greedy"])
 def test_packed_logits_equal_alone(arch, strategy):
     gen = torch.Generator().manual_seed(0)
-    examples, (p, c, r) = make_examples(gen)
+    examples, (_p, _c, _r) = make_examples(gen)
     model = tiny_model(arch).eval()
     stock = twin(model, "sdpa").eval()
     rows, _ = pack(examples, 40, strategy)
@@ -124,8 +124,9 @@ def test_packed_loss_and_gradients_equal_alone(arch):
     for strategy in ("sequential", "greedy"):
         model.zero_grad()
         stock.zero_grad()
-        packed = lm_loss_packed(model, [causal_example(e.input_ids, [], []) if len(e.blocks) == 1 else e
-                                        for e in examples], strategy)
+        packed = lm_loss_packed(
+            model, [causal_example(e.input_ids, [], []) if len(e.blocks) == 1 else e for e in examples], strategy
+        )
         alone = lm_loss_alone(stock, examples)
         packed.backward()
         alone.backward()
@@ -156,8 +157,9 @@ def test_stock_paths_that_leak_are_caught():
     b = rows[0].blocks[1]
     with torch.no_grad():
         ref = alone_logits(stock, rows[0].input_ids[b.q_start : b.q_end])
-        leaky = stock(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                      attention_mask=torch.ones_like(batch.input_ids)).logits[0, b.q_start : b.q_end]
+        leaky = stock(
+            input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=torch.ones_like(batch.input_ids)
+        ).logits[0, b.q_start : b.q_end]
         ours = model(**batch.model_inputs()).logits[0, b.q_start : b.q_end]
     assert (leaky - ref).abs().max() > 1e-3  # the equality tests above would flag this path
     assert (ours - ref).abs().max() <= 1e-5
@@ -173,10 +175,18 @@ def test_dense_and_flex_masks_agree_with_blockwise():
     batch = collate(rows, pad_token_id=0, pad_to=64)
     with torch.no_grad():
         ours = model(**batch.model_inputs()).logits
-        dense = dense_model(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                            attention_mask=batch.attention.dense_mask(), use_cache=False).logits
-        flex = flex_model(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                          attention_mask=flex_block_mask(batch.attention, "cpu"), use_cache=False).logits
+        dense = dense_model(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            attention_mask=batch.attention.dense_mask(),
+            use_cache=False,
+        ).logits
+        flex = flex_model(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            attention_mask=flex_block_mask(batch.attention, "cpu"),
+            use_cache=False,
+        ).logits
     for r, row in enumerate(rows):
         n = len(row)
         assert (ours[r, :n] - dense[r, :n]).abs().max() <= 1e-5
@@ -235,8 +245,10 @@ def test_greedy_pad_ratio_on_bundled_data_under_5_percent():
     with open(os.path.join(ROOT, "llm", "data", "sample", "prm_train.jsonl"), encoding="utf-8") as f:
         for line in f:
             rec = json.loads(line)
-            lengths.append(len(tok(rec["src"][0] + "\n")["input_ids"])
-                           + len(tok(prm_response_text(rec["responses"], "ки"), add_special_tokens=False)["input_ids"]))
+            lengths.append(
+                len(tok(rec["src"][0] + "\n")["input_ids"])
+                + len(tok(prm_response_text(rec["responses"], "ки"), add_special_tokens=False)["input_ids"])
+            )
     examples = [causal_example([1] * n, [], []) for n in lengths]
     _, greedy = pack(examples, 1024, "greedy")
     _, padded = pack(examples, 1024, None, batch_size=8)

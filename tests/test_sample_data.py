@@ -76,9 +76,7 @@ def expected_labels(context: list[str], steps: list[str]) -> list[str]:
 
 
 def test_checker_on_hand_made_steps():
-    q = [
-        "Tony buys 3 kg of cheese at 4 dollars per kg and 2 kg of beef at 5 dollars per kg."
-    ]
+    q = ["Tony buys 3 kg of cheese at 4 dollars per kg and 2 kg of beef at 5 dollars per kg."]
     good = [
         "Cheese costs 3 * 4 = 12 dollars.",
         "Beef costs 2 * 5 = 10 dollars.",
@@ -127,10 +125,7 @@ def test_special_tokens_and_bos(tok):
         "</s>",
         "<unk>",
     ]
-    assert (
-        len({tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id})
-        == 4
-    )
+    assert len({tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id}) == 4
     assert PLACEHOLDER not in tok.all_special_tokens  # must survive skip_special_tokens
     plain = tok("3 * 4 = 12", add_special_tokens=False)["input_ids"]
     assert tok("3 * 4 = 12")["input_ids"] == [tok.bos_token_id, *plain]
@@ -141,9 +136,7 @@ def test_special_tokens_and_bos(tok):
         "1",
         "2",
     ]
-    chat = tok.apply_chat_template(
-        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
-    )
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
     assert chat == "<|user|>\nHi</s>\n<|assistant|>\n"
 
 
@@ -173,9 +166,7 @@ def test_pairs_have_one_correct_and_one_wrong_solution():
         records = _read(name)
         multi = 0
         for i, rec in enumerate(records):
-            assert (
-                len(rec["src"]) == len(rec["tgt"]) + 1 and len(rec["response"]) == 2
-            ), i
+            assert len(rec["src"]) == len(rec["tgt"]) + 1 and len(rec["response"]) == 2, i
             multi += len(rec["src"]) > 1
             context = [t for pair in zip(rec["src"], rec["tgt"] + [""]) for t in pair]
             chosen = rec["sort"].index(max(rec["sort"]))
@@ -214,9 +205,7 @@ def test_generator_is_byte_identical(tmp_path: Path):
 def test_tokenizer_rebuild_matches_committed_asset(tmp_path: Path):
     tokenizer_assets.main(["--out-dir", str(tmp_path)])
     committed = tokenizer_assets.TINY_TOKENIZER_DIR
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        p.name for p in committed.iterdir()
-    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in committed.iterdir())
     for path in committed.iterdir():
         assert (tmp_path / path.name).read_bytes() == path.read_bytes(), path.name
 

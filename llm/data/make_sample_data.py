@@ -159,10 +159,7 @@ def _shop_two(rng: random.Random, coupon: bool = False) -> Problem:
     name, he, _ = _person(rng)
     x, y = rng.sample(_BY_KG, 2)
     a, b, c, d = (_d(rng) for _ in range(4))
-    q = (
-        f"{name} buys {a} kg of {x} at {b} dollars per kg and {c} kg of {y} at {d} dollars "
-        f"per kg."
-    )
+    q = f"{name} buys {a} kg of {x} at {b} dollars per kg and {c} kg of {y} at {d} dollars per kg."
     steps = [
         Step(f"{_cap(x)} costs {_EQ} dollars.", "*", a, b),
         Step(f"{_cap(y)} costs {_EQ} dollars.", "*", c, d),
@@ -194,10 +191,7 @@ def _gain_lose(rng: random.Random) -> Problem:
 def _boxes_take(rng: random.Random) -> Problem:
     name, _, _ = _person(rng)
     a, b, c, thing = _d(rng), _d(rng), _d(rng), rng.choice(_THINGS)
-    q = (
-        f"There are {a} boxes with {b} {thing} in each box. {name} takes {c} {thing}. "
-        f"How many {thing} are left?"
-    )
+    q = f"There are {a} boxes with {b} {thing} in each box. {name} takes {c} {thing}. How many {thing} are left?"
     return Problem(
         q,
         (
@@ -241,10 +235,7 @@ def _travel(rng: random.Random) -> Problem:
 
 def _baker(rng: random.Random) -> Problem:
     a, b, c = _d(rng), _d(rng), _d(rng)
-    q = (
-        f"A baker bakes {a} trays with {b} cookies on each tray. She sells {c} trays. "
-        f"How many cookies are left?"
-    )
+    q = f"A baker bakes {a} trays with {b} cookies on each tray. She sells {c} trays. How many cookies are left?"
     return Problem(
         q,
         (
@@ -275,10 +266,7 @@ def _savings(rng: random.Random) -> Problem:
 def _garden(rng: random.Random) -> Problem:
     x, y = rng.sample(_FLOWERS, 2)
     a, b, c, d, e = (_d(rng) for _ in range(5))
-    q = (
-        f"A garden has {a} rows of {b} {x} and {c} rows of {d} {y}. {e} flowers are picked. "
-        f"How many flowers are left?"
-    )
+    q = f"A garden has {a} rows of {b} {x} and {c} rows of {d} {y}. {e} flowers are picked. How many flowers are left?"
     return Problem(
         q,
         (
@@ -305,8 +293,7 @@ _TEMPLATES: list[Callable[[random.Random], Problem]] = [
 ]
 
 SEED_PROBLEM = Problem(
-    "Tony buys 3 kg of cheese at 4 dollars per kg and 2 kg of beef at 5 dollars per kg. "
-    "How much does he pay?",
+    "Tony buys 3 kg of cheese at 4 dollars per kg and 2 kg of beef at 5 dollars per kg. How much does he pay?",
     (
         Step("Cheese costs {a} * {b} = {c} dollars.", "*", 3, 4),
         Step("Beef costs {a} * {b} = {c} dollars.", "*", 2, 5),
@@ -316,17 +303,13 @@ SEED_PROBLEM = Problem(
 SEED_ERROR = Error("result", 2, 1)  # "12 + 10 = 23": labels + + - -
 
 
-def _render(
-    problem: Problem, error: Error | None
-) -> tuple[list[str], list[str], int] | None:
+def _render(problem: Problem, error: Error | None) -> tuple[list[str], list[str], int] | None:
     """Steps, labels and the shown final answer; None if a number leaves [0, MAX_VALUE], a
     division is not exact, or the error would not be visible in the text."""
     shown: list[int] = []
     texts: list[str] = []
     for i, step in enumerate(problem.steps):
-        a, b = (
-            shown[x.step] if isinstance(x, Ref) else x for x in (step.left, step.right)
-        )
+        a, b = (shown[x.step] if isinstance(x, Ref) else x for x in (step.left, step.right))
         if error and error.kind == "carry" and error.step == i:
             if not isinstance(step.left, Ref) or step.op == "/":
                 return None
@@ -364,16 +347,12 @@ def _random_error(rng: random.Random, problem: Problem) -> Error:
     if rng.random() < P_ANSWER_ERROR:
         return Error("answer", len(problem.steps), delta)
     step = rng.randrange(len(problem.steps))
-    can_carry = (
-        isinstance(problem.steps[step].left, Ref) and problem.steps[step].op != "/"
-    )
+    can_carry = isinstance(problem.steps[step].left, Ref) and problem.steps[step].op != "/"
     kind = "carry" if can_carry and rng.random() < P_CARRY_ERROR else "result"
     return Error(kind, step, delta)
 
 
-def _solve(
-    rng: random.Random, problem: Problem, wrong: bool
-) -> tuple[list[str], list[str], int, Error | None] | None:
+def _solve(rng: random.Random, problem: Problem, wrong: bool) -> tuple[list[str], list[str], int, Error | None] | None:
     """Render a correct solution or one with a random visible error; None if the problem's
     numbers do not work out (the caller draws a new problem)."""
     correct = _render(problem, None)
@@ -389,9 +368,7 @@ def _solve(
     return None
 
 
-def _draw(
-    rng: random.Random, seen: set[str], wrong: bool
-) -> tuple[Problem, tuple] | None:
+def _draw(rng: random.Random, seen: set[str], wrong: bool) -> tuple[Problem, tuple] | None:
     problem = rng.choice(_TEMPLATES)(rng)
     if problem.question in seen:
         return None
@@ -404,9 +381,7 @@ def _draw(
 # --- the files -------------------------------------------------------------------------------
 
 
-def make_prm(
-    rng: random.Random, n: int, seen: set[str], with_seed: bool
-) -> tuple[list[dict], Counter]:
+def make_prm(rng: random.Random, n: int, seen: set[str], with_seed: bool) -> tuple[list[dict], Counter]:
     records, kinds = [], Counter()
     if with_seed:
         steps, labels, _ = _render(SEED_PROBLEM, SEED_ERROR)
@@ -427,9 +402,7 @@ def make_prm(
         problem, (steps, labels, _, error) = drawn
         seen.add(problem.question)
         kinds[error.kind if error else "none"] += 1
-        records.append(
-            {"src": [problem.question], "tgt": [], "responses": steps, "labels": labels}
-        )
+        records.append({"src": [problem.question], "tgt": [], "responses": steps, "labels": labels})
     return records, kinds
 
 
@@ -501,10 +474,7 @@ def _readme(files: dict[str, list[dict]], kinds: dict[str, Counter]) -> str:
     dev_minus = n_steps["prm_dev"][1]
     majority = "-" if dev_minus > 0.5 else "+"
     lengths = Counter(len(r["responses"]) for r in files["prm_train"])
-    multi = {
-        name: sum(len(r["src"]) > 1 for r in files[name])
-        for name in ("pairs_train", "pairs_dev")
-    }
+    multi = {name: sum(len(r["src"]) > 1 for r in files[name]) for name in ("pairs_train", "pairs_dev")}
     lines = [
         "# Sample data",
         "",
@@ -534,10 +504,7 @@ def _readme(files: dict[str, list[dict]], kinds: dict[str, Counter]) -> str:
         "",
         "| file | steps | fraction of `-` steps |",
         "|---|---|---|",
-        *(
-            f"| `{name}.jsonl` | {n} | {frac:.3f} |"
-            for name, (n, frac) in n_steps.items()
-        ),
+        *(f"| `{name}.jsonl` | {n} | {frac:.3f} |" for name, (n, frac) in n_steps.items()),
         "",
         f"Majority-class step baseline on `prm_dev` (always `{majority}`): step accuracy "
         + f"{max(dev_minus, 1 - dev_minus):.3f}.",
@@ -565,36 +532,26 @@ def generate(out_dir: Path) -> dict[str, list[dict]]:
     files["prm_train"], kinds["prm_train"] = make_prm(
         random.Random(f"{SEED}-prm_train"), N_PRM_TRAIN, train_seen, with_seed=True
     )
-    files["pairs_train"] = make_pairs(
-        random.Random(f"{SEED}-pairs_train"), N_PAIRS_TRAIN, train_seen
-    )
-    files["prompts"] = make_prompts(
-        random.Random(f"{SEED}-prompts"), N_PROMPTS, train_seen
-    )
+    files["pairs_train"] = make_pairs(random.Random(f"{SEED}-pairs_train"), N_PAIRS_TRAIN, train_seen)
+    files["prompts"] = make_prompts(random.Random(f"{SEED}-prompts"), N_PROMPTS, train_seen)
     # Dev questions must not occur in any train file; dev files dedupe among themselves too.
     dev_seen = set(train_seen)
     files["prm_dev"], kinds["prm_dev"] = make_prm(
         random.Random(f"{SEED}-prm_dev"), N_PRM_DEV, dev_seen, with_seed=False
     )
-    files["pairs_dev"] = make_pairs(
-        random.Random(f"{SEED}-pairs_dev"), N_PAIRS_DEV, dev_seen
-    )
+    files["pairs_dev"] = make_pairs(random.Random(f"{SEED}-pairs_dev"), N_PAIRS_DEV, dev_seen)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, records in files.items():
         with open(out_dir / f"{name}.jsonl", "w", encoding="utf-8", newline="\n") as f:
             f.writelines(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records)
-    (out_dir / "README.md").write_text(
-        _readme(files, kinds), encoding="utf-8", newline="\n"
-    )
+    (out_dir / "README.md").write_text(_readme(files, kinds), encoding="utf-8", newline="\n")
     return files
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--out-dir", type=Path, default=SAMPLE_DIR, help="where to write the files"
-    )
+    parser.add_argument("--out-dir", type=Path, default=SAMPLE_DIR, help="where to write the files")
     args = parser.parse_args(argv)
     files = generate(args.out_dir)
     for name, records in files.items():

@@ -222,9 +222,7 @@ class PackedBatch:
         return int(self.records.numel())
 
     def to(self, device: torch.device | str) -> PackedBatch:
-        tensors = {
-            k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()
-        }
+        tensors = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.__dict__.items()}
         return PackedBatch(**tensors)
 
     def model_inputs(self) -> dict:
@@ -252,7 +250,7 @@ def collate(rows: Sequence[PackedRow], pad_token_id: int, pad_to: int | None = N
         part += row.readout_part
         example += [len(records) + e for e in row.readout_example]
         records += row.records
-    as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    as_long = lambda x: torch.tensor(x, dtype=torch.long)
     return PackedBatch(
         input_ids=input_ids,
         position_ids=position_ids,

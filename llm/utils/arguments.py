@@ -73,7 +73,9 @@ class DataArgument:
         default="truncate",
         metadata={"help": "Examples longer than max_seq_len: 'truncate' (at a step boundary for PRM) or 'skip'."},
     )
-    lazy: bool = field(default=False, metadata={"help": "Stream the training file instead of loading it (no shuffling)."})
+    lazy: bool = field(
+        default=False, metadata={"help": "Stream the training file instead of loading it (no shuffling)."}
+    )
     use_chat_template: bool = field(
         default=False, metadata={"help": "Format prompts with the tokenizer's chat template."}
     )
@@ -115,7 +117,8 @@ class TrainingArguments(transformers.TrainingArguments):
     tensor_parallel_degree: int = field(default=1, metadata={"help": "Tensor parallel degree."})
     sharding_parallel_degree: int = field(default=1, metadata={"help": "Processes in a sharding group (-1 = all)."})
     sharding: str = field(
-        default="", metadata={"help": "stage1 | stage2 | stage3 [offload]: FSDP-style sharding of optimizer/grads/params."}
+        default="",
+        metadata={"help": "stage1 | stage2 | stage3 [offload]: FSDP-style sharding of optimizer/grads/params."},
     )
     recompute: bool = field(default=False, metadata={"help": "Activation checkpointing."})
     unified_checkpoint: bool = field(
@@ -238,9 +241,7 @@ def _cli_names(cli: list[str], parser: HfArgumentParser) -> list[str]:
     return names
 
 
-def parse_arguments(
-    argv: list[str], types: tuple[type, ...] = ARGUMENT_TYPES
-) -> tuple[Any, ...]:
+def parse_arguments(argv: list[str], types: tuple[type, ...] = ARGUMENT_TYPES) -> tuple[Any, ...]:
     """``CONFIG.json [--field value ...]`` -> one instance per dataclass in ``types``."""
     if not argv or not argv[0].endswith(".json"):
         raise UserError("usage: run_x.py CONFIG.json [--field value ...]")

@@ -209,5 +209,6 @@ def flex_block_mask(packed: PackedAttention, device: torch.device | str):
     def mask_mod(b, h, q_idx, kv_idx):
         return dense[b, q_idx, kv_idx]
 
-    return create_block_mask(mask_mod, B=len(packed.blocks), H=None, Q_LEN=packed.seq_len, KV_LEN=packed.seq_len,
-                             device=device)
+    return create_block_mask(
+        mask_mod, B=len(packed.blocks), H=None, Q_LEN=packed.seq_len, KV_LEN=packed.seq_len, device=device
+    )

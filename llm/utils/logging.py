@@ -26,7 +26,9 @@ def resume_checkpoint(training_args: transformers.TrainingArguments) -> str | No
     if str(value).lower() in ("true", "auto", "last"):
         last = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
         if last is None:
-            raise UserError(f"resume_from_checkpoint={value!r}: no checkpoint-* directory in {training_args.output_dir}")
+            raise UserError(
+                f"resume_from_checkpoint={value!r}: no checkpoint-* directory in {training_args.output_dir}"
+            )
         return last
     if not os.path.isdir(value):
         raise UserError(f"resume_from_checkpoint: {value} is not a directory")

@@ -103,18 +103,12 @@ def sample_corpus(sample_dir: Path = SAMPLE_DIR) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--sample-dir", type=Path, default=SAMPLE_DIR, help="corpus: *.jsonl here"
-    )
-    parser.add_argument(
-        "--out-dir", type=Path, default=TINY_TOKENIZER_DIR, help="where to save"
-    )
+    parser.add_argument("--sample-dir", type=Path, default=SAMPLE_DIR, help="corpus: *.jsonl here")
+    parser.add_argument("--out-dir", type=Path, default=TINY_TOKENIZER_DIR, help="where to save")
     args = parser.parse_args(argv)
     tok = build_tiny_tokenizer(sample_corpus(args.sample_dir))
     tok.save_pretrained(args.out_dir)
-    ids = {
-        t: tok.convert_tokens_to_ids(t) for t in (PLACEHOLDER, "+", "-", PAD, BOS, EOS)
-    }
+    ids = {t: tok.convert_tokens_to_ids(t) for t in (PLACEHOLDER, "+", "-", PAD, BOS, EOS)}
     print(f"saved {args.out_dir}: {len(tok)} tokens; ids {ids}")
 
 

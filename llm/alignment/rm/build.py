@@ -32,7 +32,9 @@ class RewardData:
 def reward_tokens(model_args: ModelArgument) -> tuple[str, str]:
     tokens = tuple(t.strip() for t in model_args.reward_tokens.split(","))
     if len(tokens) != 2 or not all(tokens) or tokens[0] == tokens[1]:
-        raise UserError(f"reward_tokens must be two different tokens 'positive,negative', got {model_args.reward_tokens!r}")
+        raise UserError(
+            f"reward_tokens must be two different tokens 'positive,negative', got {model_args.reward_tokens!r}"
+        )
     return tokens  # type: ignore[return-value]
 
 
@@ -54,13 +56,20 @@ def build_reward_data(
             path, kind, probs=probs, seed=seed, reward_tokens=tokens, placeholder=model_args.placeholder_token
         )
     )
-    cfg = EncodeConfig(data_args.max_seq_len, data_args.max_prompt_len, data_args.overlong_policy,
-                       data_args.use_chat_template)
+    cfg = EncodeConfig(
+        data_args.max_seq_len, data_args.max_prompt_len, data_args.overlong_policy, data_args.use_chat_template
+    )
     if process_reward:
         placeholder_id = single_token_id(tokenizer, model_args.placeholder_token, "placeholder_token")
         examples, _ = encode_all(
-            records, encode_prm, path, tokenizer=tokenizer, cfg=cfg, placeholder_id=placeholder_id,
-            placeholder=model_args.placeholder_token, reward_tokens=tokens,
+            records,
+            encode_prm,
+            path,
+            tokenizer=tokenizer,
+            cfg=cfg,
+            placeholder_id=placeholder_id,
+            placeholder=model_args.placeholder_token,
+            reward_tokens=tokens,
         )
     else:
         examples, _ = encode_all(records, encode_pair_for_scores, path, tokenizer=tokenizer, cfg=cfg)
@@ -77,22 +86,37 @@ def build_reward_model(model_args: ModelArgument, training_args: TrainingArgumen
         dtype = torch.bfloat16 if training_args.bf16 else torch.float16
     if training_args.process_reward:
         model = load_model(
-            AutoModelForCausalLM, model_args.model_name_or_path, init_from_config=model_args.init_from_config,
-            seed=training_args.seed, dtype=dtype, pad_token_id=tokenizer.pad_token_id,
+            AutoModelForCausalLM,
+            model_args.model_name_or_path,
+            init_from_config=model_args.init_from_config,
+            seed=training_args.seed,
+            dtype=dtype,
+            pad_token_id=tokenizer.pad_token_id,
         )
         tokens = reward_tokens(model_args)
-        ids = (single_token_id(tokenizer, tokens[0], "reward_tokens"), single_token_id(tokenizer, tokens[1], "reward_tokens"))
+        ids = (
+            single_token_id(tokenizer, tokens[0], "reward_tokens"),
+            single_token_id(tokenizer, tokens[1], "reward_tokens"),
+        )
         vocab = model.get_output_embeddings().weight.shape[0]
         if max(ids) >= vocab:
-            raise UserError(f"reward_tokens ids {ids} are outside the model's vocabulary ({vocab}): tokenizer and model differ")
+            raise UserError(
+                f"reward_tokens ids {ids} are outside the model's vocabulary ({vocab}): tokenizer and model differ"
+            )
         return model, ids
     model = load_model(
-        AutoModelForSequenceClassification, model_args.model_name_or_path,
-        init_from_config=model_args.init_from_config, seed=training_args.seed, dtype=dtype,
-        pad_token_id=tokenizer.pad_token_id, num_labels=1,
+        AutoModelForSequenceClassification,
+        model_args.model_name_or_path,
+        init_from_config=model_args.init_from_config,
+        seed=training_args.seed,
+        dtype=dtype,
+        pad_token_id=tokenizer.pad_token_id,
+        num_labels=1,
     )
     if not hasattr(model, "score"):
-        raise UserError(f"{type(model).__name__} has no `score` head: use a decoder with a sequence-classification class")
+        raise UserError(
+            f"{type(model).__name__} has no `score` head: use a decoder with a sequence-classification class"
+        )
     return model, None
 
 
@@ -104,15 +128,26 @@ def build_reward_trainer(model_args: ModelArgument, data_args: DataArgument, tra
         if not data_args.train_dataset_path:
             raise UserError("do_train is true but train_dataset_path is not set")
         train = build_reward_data(
-            data_args.train_dataset_path, tokenizer, model_args, data_args, training_args.process_reward,
-            training_args.per_device_train_batch_size, training_args.seed, data_args.dataset_probs,
+            data_args.train_dataset_path,
+            tokenizer,
+            model_args,
+            data_args,
+            training_args.process_reward,
+            training_args.per_device_train_batch_size,
+            training_args.seed,
+            data_args.dataset_probs,
         )
     if training_args.do_eval or training_args.eval_strategy != "no":
         if not data_args.dev_dataset_path:
             raise UserError("evaluation is on (do_eval or eval_strategy) but dev_dataset_path is not set")
         dev = build_reward_data(
-            data_args.dev_dataset_path, tokenizer, model_args, data_args, training_args.process_reward,
-            training_args.per_device_eval_batch_size, training_args.seed,
+            data_args.dev_dataset_path,
+            tokenizer,
+            model_args,
+            data_args,
+            training_args.process_reward,
+            training_args.per_device_eval_batch_size,
+            training_args.seed,
         )
     mode = "PRM" if training_args.process_reward else "ORM"
     plan = train.stats.summary(data_args.pack, data_args.max_seq_len) if train else "no training data"
