@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> None:
         result = trainer.train(resume_from_checkpoint=resume_checkpoint(training_args))
         if not (data_args.benchmark or data_args.autotuner_benchmark):
             trainer.save_model(out)
+            trainer.save_state()
         results.update({f"train_{k}" if not k.startswith("train") else k: v for k, v in result.metrics.items()})
     if training_args.do_eval:
         metrics, examples = trainer.evaluate_with_outputs()

@@ -102,6 +102,11 @@ class DataArgument:
 SHARDING_WORDS = ("stage1", "stage2", "stage3", "offload")
 
 
+def _has_accelerator() -> bool:
+    npu = getattr(torch, "npu", None)
+    return torch.cuda.is_available() or torch.backends.mps.is_available() or bool(npu and npu.is_available())
+
+
 @dataclass
 class TrainingArguments(transformers.TrainingArguments):
     report_to: None | str | list[str] = field(
@@ -145,8 +150,11 @@ class TrainingArguments(transformers.TrainingArguments):
         if self.fp16_opt_level not in ("O1", "O2"):
             raise UserError(f"fp16_opt_level must be 'O1' or 'O2', got {self.fp16_opt_level!r}")
         if self.recompute:
-            self.gradient_checkpointing = True
-            self.gradient_checkpointing_kwargs = {"use_reentrant": False}
+            self.activation_checkpointing = True
+            self.activation_checkpointing_kwargs = {"use_reentrant": False}
+        if not _has_accelerator():
+            # bf16 autocast works on CPU; HF refuses it unless told it is a CPU run.
+            self.use_cpu = True
         # Our collators build typed packed batches; HF must not drop "unused" columns.
         self.remove_unused_columns = False
         try:

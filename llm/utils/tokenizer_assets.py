@@ -31,7 +31,7 @@ from transformers import PreTrainedTokenizerFast
 from llm.data.make_sample_data import PLACEHOLDER, SAMPLE_DIR
 
 TINY_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "assets" / "tiny_tokenizer"
-VOCAB_SIZE = 1000
+VOCAB_SIZE = 647  # learned tokens; with the placeholder len(tokenizer) <= 648 (the tiny configs)
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (

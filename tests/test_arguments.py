@@ -1,0 +1,170 @@
+"""JSON + command-line arguments: strict keys, Paddle names mapped, fields that cannot act refused."""
+
+import glob
+import json
+import os
+
+import pytest
+
+from llm.utils.arguments import DataArgument, ModelArgument, TrainingArguments, parse_arguments, validate_arguments
+from llm.utils.errors import UserError
+from tests.helpers import ROOT
+
+
+def write(tmp_path, **fields):
+    fields.setdefault("output_dir", str(tmp_path / "out"))
+    fields.setdefault("model_name_or_path", "llm/assets/tiny-llama")
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps(fields))
+    return str(path)
+
+
+def parse(tmp_path, cli=(), **fields):
+    return parse_arguments([write(tmp_path, **fields), *cli])
+
+
+def test_every_config_in_tree_parses_strictly():
+    files = sorted(glob.glob(os.path.join(ROOT, "llm", "config", "*", "*_argument.json")))
+    reward_files = [f for f in files if os.path.basename(f) in ("rm_argument.json", "prm_argument.json")]
+    assert len(reward_files) >= 8, reward_files
+    for path in reward_files:
+        model_args, data_args, training_args = parse_arguments([path])
+        assert model_args.model_name_or_path, path
+        assert training_args.output_dir, path
+
+
+def test_json_values_and_command_line_override(tmp_path):
+    model_args, data_args, training_args = parse(
+        tmp_path,
+        cli=["--learning_rate", "3e-4", "--zero_padding", "false", "--max_seq_len=512"],
+        learning_rate=1e-5,
+        zero_padding=True,
+        max_seq_len=1024,
+        max_prompt_len=256,
+        process_reward=True,
+    )
+    assert training_args.learning_rate == 3e-4
+    assert data_args.zero_padding is False and data_args.max_seq_len == 512
+    assert training_args.process_reward is True
+
+
+def test_unknown_key_names_file_and_closest(tmp_path):
+    with pytest.raises(UserError) as err:
+        parse(tmp_path, learnig_rate=1e-5)
+    msg = str(err.value)
+    assert "args.json" in msg and "'learnig_rate'" in msg and "'learning_rate'" in msg
+
+
+def test_unknown_command_line_option(tmp_path):
+    with pytest.raises(UserError, match="unknown option --max_seq_length.*'max_seq_len'"):
+        parse(tmp_path, cli=["--max_seq_length", "10"])
+
+
+def test_paddle_names_map_to_torch_mechanisms(tmp_path):
+    _, _, t = parse(
+        tmp_path,
+        evaluation_strategy="steps",
+        eval_steps=5,
+        recompute=True,
+        warmup_ratio=0.1,
+        sharding="stage1",
+        unified_checkpoint=True,
+    )
+    assert t.eval_strategy == "steps"
+    assert t.activation_checkpointing is True
+    assert t.warmup_steps == 0.1  # HF reads a float < 1 as a ratio
+    _, _, t = parse(tmp_path, warmup_ratio=0.1, warmup_steps=7)
+    assert t.warmup_steps == 7  # warmup_steps wins, as in PaddleNLP
+
+
+def test_bad_json_is_one_clear_error(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"learning_rate": 1e-5,}')
+    with pytest.raises(UserError, match=r"bad.json: not valid JSON .* line 1"):
+        parse_arguments([str(path)])
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"tensor_parallel_degree": 4}, "tensor_parallel_degree=4 cannot take effect"),
+        ({"virtual_pp_degree": 2}, "virtual_pp_degree"),
+        ({"recompute": True, "recompute_granularity": "core_attn"}, "recompute_granularity='core_attn'"),
+        ({"use_flash_attention": True}, "use_flash_attention needs a CUDA device"),
+        ({"fp16_opt_level": "O2"}, "'O2' .* needs bf16 or fp16"),
+        ({"sharding": "stage2", "sharding_parallel_degree": 4}, "not wired to FSDP yet"),
+        ({"sharding": "stage9"}, "sharding: unknown value"),
+        ({"fp16_opt_level": "O3"}, "fp16_opt_level must be"),
+        ({"overlong_policy": "drop"}, "overlong_policy must be"),
+        ({"max_seq_len": 128, "max_prompt_len": 128}, "max_prompt_len .* must be smaller"),
+    ],
+)
+def test_fields_that_cannot_take_effect_stop_the_run(tmp_path, fields, message):
+    with pytest.raises(UserError, match=message):
+        model_args, data_args, training_args = parse(tmp_path, **fields)
+        validate_arguments(model_args, data_args, training_args)
+
+
+def test_stage1_on_one_process_runs(tmp_path):
+    # PaddleNLP's own example configs set stage1; with one process it is a group of one.
+    model_args, data_args, training_args = parse(tmp_path, sharding="stage1")
+    validate_arguments(model_args, data_args, training_args)
+
+
+def test_benchmark_mode_turns_off_eval_and_saving(tmp_path):
+    model_args, data_args, training_args = parse(tmp_path, benchmark=True, do_eval=True)
+    validate_arguments(model_args, data_args, training_args)
+    assert training_args.do_eval is False and training_args.save_strategy == "no"
+
+
+def test_reference_fields_are_declared():
+    declared = {f for t in (ModelArgument, DataArgument, TrainingArguments) for f in t.__dataclass_fields__}
+    reference = [
+        "output_dir",
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "per_device_eval_batch_size",
+        "num_train_epochs",
+        "max_steps",
+        "learning_rate",
+        "warmup_steps",
+        "warmup_ratio",
+        "logging_steps",
+        "evaluation_strategy",
+        "eval_strategy",
+        "save_strategy",
+        "eval_steps",
+        "save_steps",
+        "save_total_limit",
+        "bf16",
+        "fp16_opt_level",
+        "do_train",
+        "do_eval",
+        "load_best_model_at_end",
+        "tensor_parallel_degree",
+        "sharding_parallel_degree",
+        "sharding",
+        "recompute",
+        "unified_checkpoint",
+        "process_reward",
+        "seed",
+        "disable_tqdm",
+        "train_dataset_path",
+        "dev_dataset_path",
+        "max_seq_len",
+        "max_prompt_len",
+        "zero_padding",
+        "greedy_zero_padding",
+        "lazy",
+        "benchmark",
+        "autotuner_benchmark",
+        "model_name_or_path",
+        "tokenizer_name_or_path",
+        "use_flash_attention",
+        "flash_mask",
+        "recompute_granularity",
+        "virtual_pp_degree",
+        "placeholder_token",
+        "reward_tokens",
+    ]
+    assert not [f for f in reference if f not in declared]
