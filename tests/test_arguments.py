@@ -28,13 +28,13 @@ def test_every_config_in_tree_parses_strictly():
     reward_files = [f for f in files if os.path.basename(f) in ("rm_argument.json", "prm_argument.json")]
     assert len(reward_files) >= 8, reward_files
     for path in reward_files:
-        model_args, data_args, training_args = parse_arguments([path])
+        model_args, _data_args, training_args = parse_arguments([path])
         assert model_args.model_name_or_path, path
         assert training_args.output_dir, path
 
 
 def test_json_values_and_command_line_override(tmp_path):
-    model_args, data_args, training_args = parse(
+    _model_args, data_args, training_args = parse(
         tmp_path,
         cli=["--learning_rate", "3e-4", "--zero_padding", "false", "--max_seq_len=512"],
         learning_rate=1e-5,

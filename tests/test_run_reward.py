@@ -135,14 +135,14 @@ def test_train_eval_reload_and_eval_only(tmp_path, mode):
 
 def test_resume_continues_the_same_run(tmp_path):
     train = small_split(tmp_path, "prm_train.jsonl", 80)
-    common = dict(
-        train_dataset_path=train,
-        do_eval=False,
-        max_steps=8,
-        save_strategy="steps",
-        save_steps=4,
-        lr_scheduler_type="linear",
-    )
+    common = {
+        "train_dataset_path": train,
+        "do_eval": False,
+        "max_steps": 8,
+        "save_strategy": "steps",
+        "save_steps": 4,
+        "lr_scheduler_type": "linear",
+    }
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     main([config(tmp_path, output_dir=str(full), **common)])
     # As if a run had died after step 4: only its checkpoint-4 is left; resume from it.
@@ -174,7 +174,8 @@ def test_bad_records_exit_2_with_message(tmp_path, capsys, record, needle):
     prm = "responses" in record
     good = small_split(tmp_path, "prm_train.jsonl" if prm else "pairs_train.jsonl", 3)
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(open(good, encoding="utf-8").read() + json.dumps(record) + "\n")
+    with open(good, encoding="utf-8") as f:
+        bad.write_text(f.read() + json.dumps(record) + "\n")
     name = "prm_argument.json" if prm else "rm_argument.json"
     with pytest.raises(SystemExit) as exit_info:
         run_cli(main, [config(tmp_path, name, train_dataset_path=str(bad), do_eval=False, max_steps=1)])
@@ -213,18 +214,18 @@ def test_cli_process_exit_code_and_message(tmp_path):
 
 def test_torchrun_two_processes_equal_one_process_double_batch(tmp_path):
     train = small_split(tmp_path, "prm_train.jsonl", 48)
-    common = dict(
-        train_dataset_path=train,
-        do_eval=False,
-        max_steps=3,
-        optim="sgd",
-        learning_rate=0.5,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        max_grad_norm=0.0,
-        zero_padding=False,
-        greedy_zero_padding=False,
-    )
+    common = {
+        "train_dataset_path": train,
+        "do_eval": False,
+        "max_steps": 3,
+        "optim": "sgd",
+        "learning_rate": 0.5,
+        "lr_scheduler_type": "constant",
+        "warmup_steps": 0,
+        "max_grad_norm": 0.0,
+        "zero_padding": False,
+        "greedy_zero_padding": False,
+    }
     one, two = tmp_path / "one", tmp_path / "two"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     script = os.path.join(ROOT, "llm", "run_reward.py")
