@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     if training_args.do_train:
         result = trainer.train(resume_from_checkpoint=resume_checkpoint(training_args))
+        if trainer.stopped_by_signal:
+            return  # checkpoint saved; resume with resume_from_checkpoint=auto
         if not (data_args.benchmark or data_args.autotuner_benchmark):
             trainer.save_model(out)
             trainer.save_state()

@@ -262,3 +262,39 @@ def test_torchrun_two_processes_equal_one_process_double_batch(tmp_path):
     assert train_losses(two) == pytest.approx(train_losses(one), abs=1e-5)
     wa, wb = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-5
+
+
+def test_sigterm_saves_a_checkpoint_and_resume_finishes(tmp_path):
+    import signal
+
+    train = small_split(tmp_path, "prm_train.jsonl", 200)
+    out = tmp_path / "out"
+    cfg = config(tmp_path, train_dataset_path=train, do_eval=False, max_steps=100000, save_strategy="no")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    script = os.path.join(ROOT, "llm", "run_reward.py")
+    proc = subprocess.Popen(
+        [sys.executable, script, cfg], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    for line in proc.stdout:  # wait until training is under way
+        if "'loss'" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    proc.stdout.read()
+    assert proc.wait(timeout=120) == 0
+    checkpoints = sorted(out.glob("checkpoint-*"))
+    assert len(checkpoints) == 1 and (checkpoints[0] / "model.safetensors").exists()
+    step = int(checkpoints[0].name.split("-")[1])
+    main(
+        [
+            config(
+                tmp_path,
+                train_dataset_path=train,
+                do_eval=False,
+                max_steps=step + 2,
+                save_strategy="no",
+                resume_from_checkpoint="auto",
+            )
+        ]
+    )
+    state = read_json(out / "trainer_state.json")
+    assert state["global_step"] == step + 2

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from transformers import Trainer
 
 from llm.data.packing import PackedBatch
+from llm.utils.preemption import SaveOnSignal
 
 
 @dataclass
@@ -47,6 +48,10 @@ class AlignmentTrainer(Trainer):
         self._sums: dict[str, float] = defaultdict(float)
         self._last_log_time = time.perf_counter()
         self._n_params = sum(p.numel() for p in self.model.parameters())
+
+    @property
+    def stopped_by_signal(self) -> bool:
+        return any(isinstance(cb, SaveOnSignal) and cb.received for cb in self.callback_handler.callbacks)
 
     # --- to implement -------------------------------------------------------------------------
     def forward_items(self, model: torch.nn.Module, batch: PackedBatch) -> ItemOutputs:

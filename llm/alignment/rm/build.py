@@ -18,6 +18,7 @@ from llm.data.tokenize import EncodeConfig, encode_all, encode_pair_for_scores, 
 from llm.utils.arguments import DataArgument, ModelArgument, TrainingArguments
 from llm.utils.errors import UserError
 from llm.utils.modeling import count_parameters, load_model, load_tokenizer
+from llm.utils.preemption import SaveOnSignal
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +164,7 @@ def build_reward_trainer(model_args: ModelArgument, data_args: DataArgument, tra
         reward_token_ids=token_ids,
         margin=training_args.margin,
         center_rewards_coefficient=training_args.center_rewards_coefficient,
+        callbacks=[SaveOnSignal()],
     )
     return trainer, train, dev
 
