@@ -298,3 +298,16 @@ def test_sigterm_saves_a_checkpoint_and_resume_finishes(tmp_path):
     )
     state = read_json(out / "trainer_state.json")
     assert state["global_step"] == step + 2
+
+
+def test_lazy_streaming_run(tmp_path):
+    out = tmp_path / "out"
+    main([config(tmp_path, lazy=True, max_steps=4, do_eval=False, zero_padding=True, greedy_zero_padding=False)])
+    state = read_json(out / "trainer_state.json")
+    assert state["global_step"] == 4 and all(math.isfinite(x) for x in train_losses(out))
+
+
+def test_lazy_without_max_steps_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        run_cli(main, [config(tmp_path, lazy=True, do_eval=False)])
+    assert "lazy streaming has no length: set max_steps > 0" in capsys.readouterr().err

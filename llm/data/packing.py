@@ -20,7 +20,7 @@ Packing only offsets positions; readouts never cross an example (they stay insid
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -235,8 +235,10 @@ class PackedBatch:
         }
 
 
-def collate(rows: Sequence[PackedRow], pad_token_id: int, pad_to: int | None = None) -> PackedBatch:
-    """Stack rows, right-padded to the longest row (or ``pad_to``)."""
+def collate(
+    rows: Sequence[PackedRow], pad_token_id: int, pad_to: int | None = None, kernel: str = "sdpa"
+) -> PackedBatch:
+    """Stack rows, right-padded to the longest row (or ``pad_to``); ``kernel`` see PackedAttention."""
     length = max(len(r) for r in rows) if pad_to is None else pad_to
     n_rows = len(rows)
     input_ids = torch.full((n_rows, length), pad_token_id, dtype=torch.long)
@@ -254,7 +256,7 @@ def collate(rows: Sequence[PackedRow], pad_token_id: int, pad_to: int | None = N
     return PackedBatch(
         input_ids=input_ids,
         position_ids=position_ids,
-        attention=PackedAttention([list(r.blocks) for r in rows], length),
+        attention=PackedAttention([list(r.blocks) for r in rows], length, kernel),
         readout_index=as_long(index),
         readout_target=as_long(target),
         readout_part=as_long(part),
@@ -262,3 +264,26 @@ def collate(rows: Sequence[PackedRow], pad_token_id: int, pad_to: int | None = N
         records=as_long(records),
         num_real_tokens=sum(len(r) for r in rows),
     )
+
+
+class StreamedRows(torch.utils.data.IterableDataset):
+    """Rows packed on the fly from a stream of examples (``lazy``): constant memory, no shuffling.
+
+    Examples are packed ``buffer`` at a time with ``strategy``; the stream is deterministic, so a
+    resumed run that skips the first N batches sees exactly the rows an uninterrupted run saw.
+    """
+
+    def __init__(
+        self, examples: Callable[[], Iterator[Example]], max_len: int, strategy: str | None, buffer: int = 1024
+    ) -> None:
+        self.examples, self.max_len, self.strategy, self.buffer = examples, max_len, strategy, buffer
+
+    def __iter__(self) -> Iterator[PackedRow]:
+        pending: list[Example] = []
+        for ex in self.examples():
+            pending.append(ex)
+            if len(pending) >= self.buffer:
+                yield from pack(pending, self.max_len, self.strategy)[0]
+                pending = []
+        if pending:
+            yield from pack(pending, self.max_len, self.strategy)[0]

@@ -38,7 +38,7 @@ Kernels (see PACKING-NOTES.md for which transformers paths are silently wrong):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -70,7 +70,10 @@ class PackedAttention:
 
     blocks: list[list[Block]]
     seq_len: int
-    kernel: str = "sdpa"  # "sdpa" (block-wise SDPA), "flash_varlen" (CUDA, document-causal only)
+    # "sdpa": block-wise SDPA (any device); "flex": FlexAttention BlockMask (CUDA training);
+    # "flash_varlen": flash-attn varlen (CUDA, document-causal rows; pairs fall back to "sdpa").
+    kernel: str = "sdpa"
+    cache: dict = field(default_factory=dict, repr=False, compare=False)  # per-batch masks, built once
 
     @property
     def is_document_causal(self) -> bool:
@@ -175,6 +178,46 @@ def flash_varlen(
     return out.reshape(rows, length, heads, dim).transpose(1, 2)
 
 
+def flex(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed: PackedAttention, scaling: float | None
+) -> torch.Tensor:
+    """FlexAttention with a BlockMask built once per batch (compiled on CUDA, eager elsewhere)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if "block_mask" not in packed.cache:
+        packed.cache["block_mask"] = flex_block_mask(packed, query.device)
+    fn = _compiled_flex() if query.is_cuda else flex_attention
+    return fn(
+        query,
+        key,
+        value,
+        block_mask=packed.cache["block_mask"],
+        scale=scaling,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
+
+
+_COMPILED: dict = {}
+
+
+def _compiled_flex():  # pragma: no cover - CUDA only
+    if "flex" not in _COMPILED:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _COMPILED["flex"] = torch.compile(flex_attention, dynamic=True)
+    return _COMPILED["flex"]
+
+
+def kernel_for(use_flash_attention: bool, flash_mask: bool) -> str:
+    """Which kernel the packed rows use: the CPU path is always exact block-wise SDPA."""
+    if torch.cuda.is_available():
+        if flash_mask:
+            return "flex"
+        if use_flash_attention:
+            return "flash_varlen"
+    return "sdpa"
+
+
 def packed_sdpa_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -192,6 +235,8 @@ def packed_sdpa_attention(
     dropout = dropout if module.training else 0.0
     if packed_attention.kernel == "flash_varlen" and packed_attention.is_document_causal:
         out = flash_varlen(query, key, value, packed_attention, scaling)
+    elif packed_attention.kernel == "flex":
+        out = flex(query, key, value, packed_attention, scaling)
     else:
         out = blockwise_sdpa(query, key, value, packed_attention, scaling, dropout)
     return out.transpose(1, 2).contiguous(), None

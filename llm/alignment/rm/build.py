@@ -12,10 +12,18 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedTokenizerBase
 
 from llm.alignment.rm.trainer import RewardTrainer
-from llm.data.packing import PackedRow, PackStats, collate, pack
+from llm.data.packing import PackedRow, PackStats, StreamedRows, collate, pack
 from llm.data.readers import load_dataset_records
-from llm.data.tokenize import EncodeConfig, encode_all, encode_pair_for_scores, encode_prm, single_token_id
+from llm.data.tokenize import (
+    EncodeConfig,
+    OverlongCounter,
+    encode_all,
+    encode_pair_for_scores,
+    encode_prm,
+    single_token_id,
+)
 from llm.utils.arguments import DataArgument, ModelArgument, TrainingArguments
+from llm.utils.attention import kernel_for
 from llm.utils.errors import UserError
 from llm.utils.modeling import count_parameters, load_model, load_tokenizer
 from llm.utils.preemption import SaveOnSignal
@@ -25,9 +33,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RewardData:
-    rows: list[PackedRow]
-    records: list  # source records, indexed by Example.record
-    stats: PackStats
+    rows: list[PackedRow] | StreamedRows
+    records: list  # source records, indexed by Example.record (empty when streamed)
+    stats: PackStats | None  # None when streamed
 
 
 def reward_tokens(model_args: ModelArgument) -> tuple[str, str]:
@@ -48,24 +56,18 @@ def build_reward_data(
     batch_size: int,
     seed: int,
     probs: str | None = None,
+    lazy: bool = False,
 ) -> RewardData:
-    """Read, validate, tokenise and pack one split."""
+    """Read, validate, tokenise and pack one split (``lazy``: a stream packed on the fly)."""
     tokens = reward_tokens(model_args)
     kind = "prm" if process_reward else "pair"
-    records = list(
-        load_dataset_records(
-            path, kind, probs=probs, seed=seed, reward_tokens=tokens, placeholder=model_args.placeholder_token
-        )
-    )
     cfg = EncodeConfig(
         data_args.max_seq_len, data_args.max_prompt_len, data_args.overlong_policy, data_args.use_chat_template
     )
     if process_reward:
         placeholder_id = single_token_id(tokenizer, model_args.placeholder_token, "placeholder_token")
-        examples, _ = encode_all(
-            records,
+        encode = functools.partial(
             encode_prm,
-            path,
             tokenizer=tokenizer,
             cfg=cfg,
             placeholder_id=placeholder_id,
@@ -73,7 +75,33 @@ def build_reward_data(
             reward_tokens=tokens,
         )
     else:
-        examples, _ = encode_all(records, encode_pair_for_scores, path, tokenizer=tokenizer, cfg=cfg)
+        encode = functools.partial(encode_pair_for_scores, tokenizer=tokenizer, cfg=cfg)
+
+    def read(lazy_read: bool):
+        return load_dataset_records(
+            path,
+            kind,
+            probs=probs,
+            seed=seed,
+            lazy=lazy_read,
+            reward_tokens=tokens,
+            placeholder=model_args.placeholder_token,
+        )
+
+    if lazy:
+
+        def stream():
+            counter = OverlongCounter()
+            for i, record in enumerate(read(True)):
+                example = encode(record, record_index=i, counter=counter)
+                if example is not None:
+                    yield example
+            logger.info(counter.report(f"{path} (one pass)"))
+
+        logger.info("%s: streamed (lazy), packed on the fly into rows of %d, no shuffling", path, data_args.max_seq_len)
+        return RewardData(StreamedRows(stream, data_args.max_seq_len, data_args.pack), [], None)
+    records = list(read(False))
+    examples, _ = encode_all(records, encode, path)
     if not examples:
         raise UserError(f"{path}: no example fits max_seq_len={data_args.max_seq_len}: raise max_seq_len")
     rows, stats = pack(examples, data_args.max_seq_len, data_args.pack, batch_size)
@@ -151,14 +179,18 @@ def build_reward_trainer(model_args: ModelArgument, data_args: DataArgument, tra
             training_args.seed,
         )
     mode = "PRM" if training_args.process_reward else "ORM"
-    plan = train.stats.summary(data_args.pack, data_args.max_seq_len) if train else "no training data"
+    plan = train.stats.summary(data_args.pack, data_args.max_seq_len) if train and train.stats else "streamed data"
     logger.info("%s %s: %.2fM parameters; %s", mode, type(model).__name__, count_parameters(model) / 1e6, plan)
     trainer = RewardTrainer(
         model=model,
         args=training_args,
         train_dataset=train.rows if train else None,
         eval_dataset=dev.rows if dev else None,
-        data_collator=functools.partial(collate, pad_token_id=tokenizer.pad_token_id),
+        data_collator=functools.partial(
+            collate,
+            pad_token_id=tokenizer.pad_token_id,
+            kernel=kernel_for(model_args.use_flash_attention, model_args.flash_mask),
+        ),
         processing_class=tokenizer,
         process_reward=training_args.process_reward,
         reward_token_ids=token_ids,
