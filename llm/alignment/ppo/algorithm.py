@@ -1,0 +1,247 @@
+"""PPO / GRPO / RLOO / REINFORCE++ math as pure functions (torch only, no logging, no .item()).
+
+Token tensors are ``(B, T)`` over response tokens, right-padded; ``mask`` is 1.0 on real response
+tokens. Position t holds what concerns response token t (its log-prob, the value of the state
+before it, the reward received after emitting it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    if dim is None:
+        return masked_sum(x, mask) / mask.sum().clamp_min(1)
+    return masked_sum(x, mask, dim) / mask.sum(dim).clamp_min(1)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over masked entries, unbiased variance (as TRL and OpenRLHF). Zero outside the mask."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    n = mask.sum()
+    if n > 1:
+        var = var * n / (n - 1)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * mask
+
+
+# --- KL estimators (Schulman, "Approximating KL divergence", 2020) ---------------------------------
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from sampled-token log-probs.
+
+    kl / k1: ``log p - log q``; abs: ``|log p - log q|``; mse / k2: ``0.5 (log p - log q)^2``;
+    low_var_kl / k3: ``exp(log q - log p) - (log q - log p) - 1`` (unbiased, always >= 0).
+    ("full" needs the whole distributions: see ``full_kl``.)
+    """
+    log_ratio = logprobs - ref_logprobs
+    if kind in ("kl", "k1"):
+        return log_ratio
+    if kind == "abs":
+        return log_ratio.abs()
+    if kind in ("mse", "k2"):
+        return 0.5 * log_ratio.square()
+    if kind in ("low_var_kl", "k3"):
+        neg = -log_ratio
+        return neg.exp() - neg - 1
+    raise ValueError(f"unknown KL estimator {kind!r}")
+
+
+KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
+
+
+def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+    """Exact KL(pi || pi_ref) over the vocabulary per position: ``(N, V), (N, V) -> (N,)``."""
+    logp = torch.log_softmax(logits.float(), -1)
+    logq = torch.log_softmax(ref_logits.float(), -1)
+    return (logp.exp() * (logp - logq)).sum(-1)
+
+
+# --- KL coefficient controllers ---------------------------------------------------------------------
+@dataclass
+class FixedKLController:
+    value: float
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+
+@dataclass
+class AdaptiveKLController:
+    """Ziegler et al. 2019, eq. (2): beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon)."""
+
+    value: float
+    target: float
+    horizon: float
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+
+# --- rewards -----------------------------------------------------------------------------------------
+def token_rewards(
+    kl: torch.Tensor,
+    scores: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+    dense: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token reward: ``-kl_coef * kl`` everywhere, plus the score at the last response token,
+    plus optional dense rewards (PRM step scores placed at each step's last token)."""
+    rewards = -kl_coef * kl * mask
+    last = (mask.sum(1).long() - 1).clamp_min(0)
+    rewards = rewards.clone()
+    rewards[torch.arange(len(scores)), last] += scores
+    if dense is not None:
+        rewards = rewards + dense * mask
+    return rewards
+
+
+# --- advantage estimators ---------------------------------------------------------------------------
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016, eq. 16), vectorised over the batch.
+
+    ``delta_t = r_t + gamma V_{t+1} - V_t``; ``A_t = delta_t + gamma lam A_{t+1}``; values past the
+    last response token count as 0. Returns ``(advantages, returns = advantages + values)``.
+    """
+    values = values * mask
+    last = torch.zeros_like(rewards[:, 0])
+    out = torch.zeros_like(rewards)
+    T = rewards.shape[1]
+    for t in reversed(range(T)):
+        next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(last)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        last = delta + gamma * lam * last
+        out[:, t] = last
+    out = out * mask
+    return out, (out + values) * mask
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``G_t = r_t + gamma G_{t+1}`` per sequence (REINFORCE++ uses these, then whitens)."""
+    out = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] + gamma * running
+        out[:, t] = running
+    return out * mask
+
+
+def group_advantages(scores: torch.Tensor, group_size: int, kind: str, eps: float = 1e-6) -> torch.Tensor:
+    """Outcome advantages over groups of ``group_size`` samples of the same prompt (consecutive).
+
+    grpo (Shao et al. 2024): ``(r - mean_g) / (std_g + eps)`` (unbiased std, as DeepSeekMath code);
+    rloo (Ahmadian et al. 2024): ``r_i - mean_{j != i} r_j``.
+    """
+    grouped = scores.view(-1, group_size)
+    if kind == "grpo":
+        std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.ones_like(grouped[:, :1])
+        return ((grouped - grouped.mean(dim=1, keepdim=True)) / (std + eps)).view(-1)
+    if kind == "rloo":
+        if group_size < 2:
+            raise ValueError("rloo needs num_samples_per_step >= 2")
+        others = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+        return (grouped - others).view(-1)
+    raise ValueError(f"unknown group estimator {kind!r}")
+
+
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus")
+
+
+# --- losses -------------------------------------------------------------------------------------------
+@dataclass
+class PolicyLoss:
+    loss: torch.Tensor  # scalar, sum over tokens / normaliser
+    clipfrac: torch.Tensor
+    approx_kl: torch.Tensor
+    ratio: torch.Tensor
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    normaliser: torch.Tensor | float | None = None,
+) -> PolicyLoss:
+    """Clipped surrogate (Schulman et al. 2017, eq. 7) with separate low/high clip ranges (DAPO).
+
+    Per token ``max(-A r, -A clip(r, 1 - low, 1 + high))``; summed over masked tokens and divided by
+    ``normaliser`` (default: the mask's token count), so micro-batches can share one global count.
+    """
+    log_ratio = logprobs - old_logprobs
+    ratio = log_ratio.exp()
+    loss1 = -advantages * ratio
+    loss2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(loss1, loss2)
+    denom = mask.sum().clamp_min(1) if normaliser is None else normaliser
+    return PolicyLoss(
+        loss=masked_sum(per_token, mask) / denom,
+        clipfrac=masked_mean((loss2 > loss1).float(), mask),
+        approx_kl=0.5 * masked_mean(log_ratio.square(), mask),
+        ratio=masked_mean(ratio, mask),
+    )
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_range: float | None,
+    normaliser: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2)`` per token, masked; returns (loss, clipfrac)."""
+    loss1 = (values - returns).square()
+    if clip_range is None:
+        per_token, clipfrac = loss1, torch.zeros((), device=values.device)
+    else:
+        clipped = torch.clamp(values, old_values - clip_range, old_values + clip_range)
+        loss2 = (clipped - returns).square()
+        per_token = torch.maximum(loss1, loss2)
+        clipfrac = masked_mean((loss2 > loss1).float(), mask)
+    denom = mask.sum().clamp_min(1) if normaliser is None else normaliser
+    return 0.5 * masked_sum(per_token, mask) / denom, clipfrac
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) per row: ``logsumexp(l) - sum(p * l)``."""
+    logits = logits.float()
+    p = torch.softmax(logits, -1)
+    return torch.logsumexp(logits, -1) - (p * logits).sum(-1)
+
+
+class RunningMoments:
+    """Running mean/std of scores for reward normalisation (Chan et al. parallel update)."""
+
+    def __init__(self) -> None:
+        self.mean, self.var, self.count = 0.0, 1.0, 1e-24
+
+    def update(self, xs: torch.Tensor) -> None:
+        xs = xs.double()
+        n = xs.numel()
+        batch_mean, batch_var = xs.mean().item(), xs.var(unbiased=False).item()
+        delta = batch_mean - self.mean
+        total = self.count + n
+        self.mean += delta * n / total
+        m2 = self.var * self.count + batch_var * n + delta**2 * self.count * n / total
+        self.var, self.count = m2 / total, total
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(max(self.var, 1e-12))
