@@ -1,0 +1,294 @@
+"""PPO configuration in MindSpeed-LLM's layout: ``training`` defaults that roles override, one section
+per role, ``algorithm``, ``resource_pool`` and ``data``. Every section is a dataclass; unknown keys stop
+the run naming the section, the key and the closest valid names.
+
+Command line: ``--section.field value`` (``--actor_rollout.learning_rate 1e-6``); a bare
+``--field value`` sets a ``training`` field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from llm.alignment.ppo.algorithm import ADV_ESTIMATORS, KL_KINDS
+from llm.utils.errors import UserError, closest
+
+
+@dataclass
+class TrainingSection:
+    """Shared defaults; each role section may override the optimisation fields."""
+
+    output_dir: str = "output/ppo"
+    seed: int = 42
+    learning_rate: float = 1e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    lr_warmup_steps: int = 0
+    max_steps: int = 100
+    logging_steps: int = 1
+    save_steps: int = 0
+    save_total_limit: int | None = None
+    resume_from_checkpoint: str | None = None
+    bf16: bool = False
+    gradient_checkpointing: bool = False
+    report_to: str = "tensorboard"
+    disable_tqdm: bool = False
+    micro_batch_size: int = 8
+
+
+@dataclass
+class ModelSection:
+    model_name_or_path: str | None = None
+    tokenizer_name_or_path: str | None = None
+    init_from_config: bool = False
+
+
+@dataclass
+class ActorRolloutSection(ModelSection):
+    learning_rate: float | None = None
+    do_sample: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_prompt_length: int = 512
+    max_response_length: int = 256
+    num_samples_per_step: int = 1
+    ppo_mini_batch_size: int = 8
+    ppo_epochs: int = 1
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    shuffle_minibatch: bool = True
+    entropy_coeff: float = 0.0
+    num_gpus_for_train: int = 1
+    num_gpus_for_infer: int = 1
+
+
+@dataclass
+class CriticSection(ModelSection):
+    learning_rate: float | None = None
+    cliprange_value: float | None = 0.2
+    critic_mini_batch_size: int = 8
+    critic_update_epochs: int = 1
+    value_loss_coef: float = 1.0
+
+
+@dataclass
+class RefSection(ModelSection):
+    pass
+
+
+@dataclass
+class RewardSection(ModelSection):
+    type: str = "rule"  # orm | prm | rule | http
+    rule: str = "llm.alignment.ppo.rules:math_exact_match"
+    url: str | None = None
+    timeout: float = 30.0
+    step_separator: str = "\n"
+    placeholder_token: str = "ки"
+    reward_tokens: str = "+,-"
+    prm_aggregation: str = "dense"  # dense | min | last | mean
+    normalize_reward: bool = False
+    reward_clip: float | None = None
+
+
+@dataclass
+class KLCtrlSection:
+    type: str = "fixed"
+    kl_coef: float = 0.05
+    target_kl: float = 6.0
+    horizon: float = 10000.0
+
+
+@dataclass
+class AlgorithmSection:
+    adv_estimator: str = "gae"
+    gamma: float = 1.0
+    lam: float = 0.95
+    kl_penalty: str = "kl"
+    use_kl_in_reward: bool = True
+    kl_loss_coef: float = 0.0  # > 0: KL as a loss term (GRPO style) instead of / besides the reward
+    kl_ctrl: KLCtrlSection = field(default_factory=KLCtrlSection)
+    whiten_advantages: bool = True
+    missing_eos_penalty: float | None = None
+
+
+@dataclass
+class DataSection:
+    train_dataset_path: str | None = None
+    dev_dataset_path: str | None = None
+    dataset_probs: str | None = None
+    rollout_batch_size: int = 8  # prompts per step
+    use_chat_template: bool = False
+
+
+@dataclass
+class ResourcePool:
+    actor_rollout: float = 1
+    ref: float = 1
+    critic: float = 1
+    reward: float = 1
+
+
+SECTIONS: dict[str, type] = {
+    "training": TrainingSection,
+    "actor_rollout": ActorRolloutSection,
+    "critic": CriticSection,
+    "ref": RefSection,
+    "reward": RewardSection,
+    "algorithm": AlgorithmSection,
+    "data": DataSection,
+    "resource_pool": ResourcePool,
+}
+
+
+@dataclass
+class PPOConfig:
+    training: TrainingSection
+    actor_rollout: ActorRolloutSection
+    critic: CriticSection
+    ref: RefSection
+    reward: RewardSection
+    algorithm: AlgorithmSection
+    data: DataSection
+    resource_pool: ResourcePool
+    defaults: dict = field(default_factory=dict)
+
+    @property
+    def clip_low(self) -> float:
+        a = self.actor_rollout
+        return a.clip_ratio if a.clip_ratio_low is None else a.clip_ratio_low
+
+    @property
+    def clip_high(self) -> float:
+        a = self.actor_rollout
+        return a.clip_ratio if a.clip_ratio_high is None else a.clip_ratio_high
+
+    def lr(self, role: str) -> float:
+        value = getattr(self, role).learning_rate
+        return self.training.learning_rate if value is None else value
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.algorithm.adv_estimator == "gae"
+
+
+def _build(cls: type, values: dict, where: str) -> Any:
+    if not isinstance(values, dict):
+        raise UserError(f"{where}: must be a JSON object")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise UserError(f"{where}: unknown key {key!r}; closest valid names: {closest(key, fields)}")
+        factory = fields[key].default_factory
+        if isinstance(factory, type) and dataclasses.is_dataclass(factory):
+            value = _build(factory, value, f"{where}.{key}")
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as err:
+        raise UserError(f"{where}: {err}") from None
+
+
+def _coerce(text: str, current: Any) -> Any:
+    if isinstance(current, bool):
+        if text.lower() in ("true", "1", "yes"):
+            return True
+        if text.lower() in ("false", "0", "no"):
+            return False
+        raise UserError(f"expected true or false, got {text!r}")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_ppo_config(argv: list[str]) -> PPOConfig:
+    if not argv or not argv[0].endswith(".json"):
+        raise UserError("usage: run_ppo.py CONFIG.json [--section.field value ...]")
+    path = argv[0]
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file") from None
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: must hold one JSON object with sections {', '.join(SECTIONS)}")
+    for key in raw:
+        if key not in SECTIONS and key != "defaults":
+            raise UserError(
+                f"{path}: unknown section {key!r}; closest valid names: {closest(key, [*SECTIONS, 'defaults'])}"
+            )
+    sections = {name: _build(cls, raw.get(name, {}), f"{path}: {name}") for name, cls in SECTIONS.items()}
+    cli = argv[1:]
+    if len(cli) % 2:
+        raise UserError("command line: give --section.field value pairs")
+    for flag, text in zip(cli[::2], cli[1::2]):
+        if not flag.startswith("--"):
+            raise UserError(f"command line: expected --section.field, got {flag!r}")
+        name = flag[2:]
+        section, _, key = name.rpartition(".")
+        section = section or "training"
+        if section == "algorithm.kl_ctrl":
+            target = sections["algorithm"].kl_ctrl
+        elif section in sections:
+            target = sections[section]
+        else:
+            raise UserError(f"command line: unknown section {section!r}; closest: {closest(section, SECTIONS)}")
+        if not hasattr(target, key):
+            valid = [f.name for f in dataclasses.fields(target)]
+            raise UserError(f"command line: {section} has no field {key!r}; closest valid names: {closest(key, valid)}")
+        setattr(target, key, _coerce(text, getattr(target, key)))
+    config = PPOConfig(**sections, defaults=raw.get("defaults", {}))
+    validate_ppo_config(config, path)
+    return config
+
+
+def validate_ppo_config(c: PPOConfig, path: str) -> None:
+    a, alg = c.actor_rollout, c.algorithm
+    if alg.adv_estimator not in ADV_ESTIMATORS:
+        raise UserError(f"{path}: algorithm.adv_estimator must be one of {ADV_ESTIMATORS}, got {alg.adv_estimator!r}")
+    if alg.kl_penalty not in KL_KINDS:
+        raise UserError(f"{path}: algorithm.kl_penalty must be one of {KL_KINDS}, got {alg.kl_penalty!r}")
+    if alg.kl_ctrl.type not in ("fixed", "adaptive"):
+        raise UserError(f"{path}: algorithm.kl_ctrl.type must be fixed or adaptive, got {alg.kl_ctrl.type!r}")
+    if c.reward.type not in ("orm", "prm", "rule", "http"):
+        raise UserError(f"{path}: reward.type must be orm, prm, rule or http, got {c.reward.type!r}")
+    if c.reward.prm_aggregation not in ("dense", "min", "last", "mean"):
+        raise UserError(f"{path}: reward.prm_aggregation must be dense, min, last or mean")
+    if c.reward.type in ("orm", "prm") and not c.reward.model_name_or_path:
+        raise UserError(f"{path}: reward.type={c.reward.type!r} needs reward.model_name_or_path")
+    if c.reward.type == "http" and not c.reward.url:
+        raise UserError(f"{path}: reward.type='http' needs reward.url")
+    if not a.model_name_or_path:
+        raise UserError(f"{path}: actor_rollout.model_name_or_path is required (the SFT model)")
+    if not c.data.train_dataset_path:
+        raise UserError(f"{path}: data.train_dataset_path is required (a prompt file)")
+    batch = c.data.rollout_batch_size * a.num_samples_per_step
+    for name, size in (
+        ("actor_rollout.ppo_mini_batch_size", a.ppo_mini_batch_size),
+        ("critic.critic_mini_batch_size", c.critic.critic_mini_batch_size),
+    ):
+        if size <= 0 or batch % size:
+            raise UserError(f"{path}: {name}={size} must divide rollout_batch_size x num_samples_per_step = {batch}")
+    if alg.adv_estimator in ("grpo", "rloo") and a.num_samples_per_step < 2:
+        raise UserError(f"{path}: adv_estimator={alg.adv_estimator!r} needs actor_rollout.num_samples_per_step >= 2")
+    if not a.do_sample and a.num_samples_per_step > 1:
+        raise UserError(
+            f"{path}: num_samples_per_step > 1 with do_sample false gives identical samples: set do_sample true"
+        )
+    for role, amount in dataclasses.asdict(c.resource_pool).items():
+        if amount != 1:
+            raise UserError(
+                f"{path}: resource_pool.{role}={amount}: placing roles on several devices or machines (Ray) is not "
+                "wired in this build; all four roles run in this process: set 1"
+            )

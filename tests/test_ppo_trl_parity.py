@@ -1,0 +1,219 @@
+"""PPO parity with TRL 1.12's PPOTrainer on fixed (pre-generated) responses, the method MindSpeed used.
+
+Same tiny actor, reference, critic and reward weights, same prompts, same responses; both sides set
+to the same math: k1 KL in the reward (coef 0.05, fixed), GAE (gamma 1, lam 0.95), advantage
+whitening, clip 0.2, value clip 0.2, value-loss coefficient 0.1, AdamW lr 1e-3 with a constant
+schedule, no gradient clipping (TRL has none), 2 PPO epochs over 2 mini-batches of 4, no shuffling.
+
+How TRL is driven with fixed responses (TRL cannot take them as input):
+- ``batch_generation`` in TRL's module is replaced: it appends each query's fixed response and
+  returns the policy's logits at the response positions divided by ``temperature + 1e-7``, exactly
+  what TRL's own ``generate`` returns (``output.scores`` with top_k 0, top_p 1);
+- ``numpy.random.permutation`` (TRL's mini-batch shuffle) is the identity, matching our
+  ``shuffle_minibatch: false``;
+- TRL's values are read where it computes them: the per-token rewards, raw advantages, returns
+  are locals of ``PPOTrainer.train`` when it calls ``masked_whiten`` on the advantages, and the
+  mini-batch losses are locals when it calls ``optimizer.step()``; thin wrappers copy them out.
+Responses are full length with no EOS and prompts share one length, so TRL needs no padding (its
+padded path places the score one token past the EOS, see the closing note of the PPO issue).
+"""
+
+import copy
+import inspect
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from llm.alignment.ppo.config import (
+    ActorRolloutSection,
+    AlgorithmSection,
+    CriticSection,
+    DataSection,
+    KLCtrlSection,
+    PPOConfig,
+    RefSection,
+    ResourcePool,
+    RewardSection,
+    TrainingSection,
+)
+from llm.alignment.ppo.roles import ORMReward, PolicyModel, TrainableRole, ValueModel
+from llm.alignment.ppo.trainer import PPOTrainer, Prompt
+from llm.utils.attention import PACKED_SDPA
+from llm.utils.modeling import tiny_config
+from tests.helpers import tokenizer
+
+B, P_LEN, R_LEN, STEPS = 8, 10, 6, 3
+LR, KL_COEF, VF_COEF = 1e-3, 0.05, 0.1
+
+
+def models(attn):
+    config = tiny_config("llama", 648, pad_token_id=0, num_labels=1)
+    transformers.set_seed(11)
+    policy = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn)
+    transformers.set_seed(12)
+    critic = AutoModelForSequenceClassification.from_config(copy.deepcopy(config), attn_implementation=attn)
+    transformers.set_seed(13)
+    reward = AutoModelForSequenceClassification.from_config(copy.deepcopy(config), attn_implementation=attn)
+    ref = copy.deepcopy(policy)
+    return policy, ref, critic, reward
+
+
+def fixed_data():
+    gen = torch.Generator().manual_seed(5)
+    # token ids 7.. avoid <pad>=0, <s>=1, </s>=2 and the special chat tokens
+    prompts = torch.randint(7, 600, (B, P_LEN), generator=gen)
+    responses = torch.randint(7, 600, (B, R_LEN), generator=gen)
+    return prompts, responses
+
+
+def run_trl(tmp_path, monkeypatch):
+    from datasets import Dataset
+    from trl.experimental.ppo import PPOConfig as TRLConfig
+    from trl.experimental.ppo import PPOTrainer as TRLTrainer
+    from trl.experimental.ppo import ppo_trainer as trl_module
+
+    tok = tokenizer()
+    prompts, responses = fixed_data()
+    by_prompt = {tuple(p.tolist()): r for p, r in zip(prompts, responses)}
+    policy, ref, critic, reward = models("sdpa")
+    captured = {"orders": [], "token": [], "losses": []}
+
+    def fixed_generation(model, queries, batch_size, pad_token_id, generation_config):
+        captured["orders"].append([next(i for i, p in enumerate(prompts) if torch.equal(p, q)) for q in queries])
+        query_responses = torch.cat([queries, torch.stack([by_prompt[tuple(q.tolist())] for q in queries])], 1)
+        logits = model(input_ids=query_responses).logits[:, P_LEN - 1 : -1]
+        return query_responses, logits / (generation_config.temperature)
+
+    original_whiten = trl_module.masked_whiten
+
+    def spy_whiten(values, mask, shift_mean=True):
+        frame = inspect.currentframe().f_back.f_locals
+        out = original_whiten(values, mask, shift_mean)
+        captured["token"].append(
+            {"rewards": frame["rewards"].clone(), "returns": frame["returns"].clone(), "advantages": out.clone()}
+        )
+        return out
+
+    monkeypatch.setattr(trl_module, "batch_generation", fixed_generation)
+    monkeypatch.setattr(trl_module, "masked_whiten", spy_whiten)
+    monkeypatch.setattr(np.random, "permutation", lambda n: np.arange(n))
+
+    args = TRLConfig(
+        output_dir=str(tmp_path / "trl"),
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        per_device_train_batch_size=B,
+        gradient_accumulation_steps=1,
+        num_mini_batches=2,
+        num_ppo_epochs=2,
+        total_episodes=B * STEPS,
+        response_length=R_LEN,
+        temperature=1.0,
+        kl_coef=KL_COEF,
+        kl_estimator="k1",
+        cliprange=0.2,
+        cliprange_value=0.2,
+        vf_coef=VF_COEF,
+        gamma=1.0,
+        lam=0.95,
+        whiten_rewards=False,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        num_sample_generations=0,
+        stop_token=None,
+        missing_eos_penalty=None,
+        local_rollout_forward_batch_size=B,
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=1000,
+    )
+    dataset = Dataset.from_dict({"input_ids": prompts.tolist()})
+    trainer = TRLTrainer(
+        args=args,
+        processing_class=tok,
+        model=policy,
+        ref_model=ref,
+        reward_model=reward,
+        train_dataset=dataset,
+        value_model=critic,
+    )
+    original_step = trainer.optimizer.step
+
+    def spy_step(*a, **k):
+        frame = inspect.currentframe().f_back.f_locals
+        captured["losses"].append((frame["pg_loss"].item(), frame["vf_loss"].item()))
+        return original_step(*a, **k)
+
+    trainer.optimizer.step = spy_step
+    trainer.train()
+    return captured
+
+
+def run_ours(orders):
+    tok = tokenizer()
+    prompts, responses = fixed_data()
+    policy, ref, critic, reward = models(PACKED_SDPA)
+    config = PPOConfig(
+        training=TrainingSection(
+            seed=0, learning_rate=LR, max_grad_norm=0.0, max_steps=STEPS, micro_batch_size=B, report_to="none"
+        ),
+        actor_rollout=ActorRolloutSection(
+            temperature=1.0, ppo_mini_batch_size=4, ppo_epochs=2, clip_ratio=0.2, shuffle_minibatch=False
+        ),
+        critic=CriticSection(
+            cliprange_value=0.2, critic_mini_batch_size=4, critic_update_epochs=2, value_loss_coef=VF_COEF
+        ),
+        ref=RefSection(),
+        reward=RewardSection(type="orm"),
+        algorithm=AlgorithmSection(
+            adv_estimator="gae",
+            gamma=1.0,
+            lam=0.95,
+            kl_penalty="kl",
+            kl_ctrl=KLCtrlSection(type="fixed", kl_coef=KL_COEF),
+            whiten_advantages=True,
+        ),
+        data=DataSection(rollout_batch_size=B),
+        resource_pool=ResourcePool(),
+    )
+    actor = PolicyModel(policy, tok, 1.0, B)
+    trainer = PPOTrainer(
+        config,
+        [Prompt(p.tolist(), f"prompt {i}", None) for i, p in enumerate(prompts)],
+        actor,
+        TrainableRole(policy, LR, 0.0, (0.9, 0.999), 1e-8, 0.0, 0),
+        ORMReward(reward.eval(), tok, tok, B),
+        PolicyModel(ref.eval(), tok, 1.0, B),
+        ValueModel(critic, tok, B),
+        TrainableRole(critic, LR, 0.0, (0.9, 0.999), 1e-8, 0.0, 0),
+    )
+    trainer.prompt_indices = lambda step: orders[step]
+    tokens, losses = [], []
+    for step in range(STEPS):
+        trainer.history.clear()
+        trainer.train_step(responses=[responses[i].tolist() for i in orders[step]])
+        exp = trainer.last_experience
+        tokens.append({"rewards": exp.rewards, "returns": exp.returns, "advantages": exp.advantages})
+        actor_losses = [h["loss"] for h in trainer.history if h["role"] == "actor"]
+        critic_losses = [h["loss"] for h in trainer.history if h["role"] == "critic"]
+        losses += list(zip(actor_losses, critic_losses))
+    return tokens, losses
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_rewards_advantages_returns_and_losses_equal_trl(tmp_path, monkeypatch):
+    trl = run_trl(tmp_path, monkeypatch)
+    assert len(trl["orders"]) == STEPS and len(trl["losses"]) == STEPS * 2 * 2
+    ours_tokens, ours_losses = run_ours(trl["orders"])
+    for step in range(STEPS):
+        for key in ("rewards", "advantages", "returns"):
+            diff = (ours_tokens[step][key] - trl["token"][step][key]).abs().max().item()
+            assert diff <= 1e-5, (step, key, diff)
+    worst = max(max(abs(a - c), abs(b - d)) for (a, b), (c, d) in zip(ours_losses, trl["losses"]))
+    assert worst <= 1e-4, (worst, ours_losses, trl["losses"])
+    # the update really moved things: later steps' losses differ from the first
+    assert len({round(x[0], 6) for x in trl["losses"]}) > 1
