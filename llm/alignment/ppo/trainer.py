@@ -262,8 +262,8 @@ class PPOTrainer:
                     totals["kl_loss"] += float(kl_loss)
                 totals["abs_policy_loss"] = abs(totals["policy_loss"])
                 self.actor_optim.step()
-                for k in stats:
-                    stats[k].append(totals[k])
+                for k, values in stats.items():
+                    values.append(totals[k])
                 self.history.append({"step": self.step, "role": "actor", "epoch": epoch, "loss": totals["policy_loss"]})
         return {k: sum(v) / len(v) for k, v in stats.items() if v}
 
