@@ -1,4 +1,4 @@
-"""Read and validate alignment data: PRM steps, preference pairs and PPO prompts.
+"""Read and validate alignment data: PRM steps, preference pairs, PPO prompts and SFT conversations.
 
 Every record is checked when it is read. A problem raises :class:`UserError` whose message
 names the file, the record number (0-based; for JSON text also the 1-based line it starts on),
@@ -28,6 +28,10 @@ Schemas (``kind``)
     present wins; a number is turned into a string). For ``src`` with n turns, ``tgt`` may hold
     n-1 turns (history only, no reference) or n turns (history, then the reference answer);
     a ``reference``/``answer`` field is used when ``tgt`` gives none.
+    ``"sft"``: PaddleNLP ``{"src", "tgt"}`` with as many ``tgt`` turns as ``src`` turns (each user
+    turn followed by its answer; a single turn may be two strings) or TRL conversational
+    ``{"messages": [{"role", "content"}...]}``: an optional leading system message, then a user
+    turn first and an assistant turn last. Every assistant turn is an answer to train on.
 
 Prompts
     ``src`` is a string (one user turn) or a list of user turns and ``tgt`` the assistant turns
@@ -68,7 +72,7 @@ from llm.utils.errors import UserError, closest
 
 Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
 
-KINDS = ("prm", "pair", "prompt")
+KINDS = ("prm", "pair", "prompt", "sft")
 ROLES = ("system", "user", "assistant")
 SUPPORTED_FORMATS = (
     ".json (a JSON list of objects, or JSON lines), .jsonl (JSON lines), .parquet, "
@@ -79,6 +83,8 @@ FORMATS = {
     'or TRL stepwise {"prompt", "completions": [steps], "labels": [true/false]}',
     "pair": 'PaddleNLP {"src", "tgt", "response": [r0, r1], "sort": [s0, s1]} or TRL {"prompt", "chosen", "rejected"}',
     "prompt": 'PaddleNLP {"src", "tgt" (optional reference)} or {"prompt", "reference" or "answer" (optional)}',
+    "sft": 'PaddleNLP {"src": [user turns], "tgt": [one answer per user turn]} '
+    'or TRL conversational {"messages": [{"role", "content"}, ...]}',
 }
 
 _JSON_CHUNK = 1 << 20  # characters read at a time from a JSON list
@@ -117,7 +123,16 @@ class PromptRecord:
     index: int
 
 
-Record = PRMRecord | PairRecord | PromptRecord
+@dataclass
+class SFTRecord:
+    """Supervised fine-tuning conversation; every assistant message is a training target."""
+
+    messages: list[Message]  # optional system message, then starts with a user turn, ends with an assistant turn
+    source: str
+    index: int
+
+
+Record = PRMRecord | PairRecord | PromptRecord | SFTRecord
 
 
 # --------------------------------------------------------------------------------------------
@@ -550,7 +565,7 @@ def _iter_hf(path: str) -> Iterator[tuple[int | None, Any]]:
 
 
 def _iter_validated(path: str, fmt: str, kind: str, tokens: tuple[str, str], placeholder: str) -> Iterator[Record]:
-    parse = {"prm": _parse_prm, "pair": _parse_pair, "prompt": _parse_prompt}[kind]
+    parse = {"prm": _parse_prm, "pair": _parse_pair, "prompt": _parse_prompt, "sft": _parse_sft}[kind]
     index = 0
     for line, obj in _iter_raw(path, fmt):
         where = _Where(path, index, line)
@@ -931,3 +946,44 @@ def _parse_prompt(rec: dict, where: _Where, tokens: tuple[str, str], placeholder
         reference = _reference(rec[extra], extra, where)
     messages = _system(rec, where) + _history(src, tgt, where)
     return PromptRecord(messages, reference, where.path, where.index)
+
+
+# ---- sft ---------------------------------------------------------------------------------------
+
+
+def _parse_sft(rec: dict, where: _Where, tokens: tuple[str, str], placeholder: str) -> SFTRecord:
+    fmt = _pick_format(rec, where, "sft", ("src", "tgt"), ("messages",))
+    if fmt == "paddle":
+        _require(rec, where, "sft", ("src", "tgt"), "PaddleNLP SFT")
+        src, tgt = _turns(rec["src"], "src", where), _turns(rec["tgt"], "tgt", where)
+        if len(src) != len(tgt) or not src:
+            where.fail(
+                "tgt",
+                f"src has {len(src)} turn(s) and tgt has {len(tgt)}; for SFT every user turn needs its answer "
+                "(src[0], tgt[0], src[1], tgt[1], ...; the answers are what the model learns)",
+                "give exactly one tgt turn per src turn",
+            )
+        for j, text in enumerate(tgt):
+            if not text.strip():
+                where.fail("tgt", f"turn {j} is empty", "give a non-empty answer for every user turn")
+        messages = _system(rec, where) + _history(src, tgt[:-1], where)
+        return SFTRecord(messages + [{"role": "assistant", "content": tgt[-1]}], where.path, where.index)
+
+    messages = _add_system(rec, _messages(rec["messages"], "messages", where), "messages", where)
+    for j, msg in enumerate(messages):
+        if msg["role"] == "system" and j > 0:
+            where.fail("messages", f"message {j} is a system message after the start", "put the system message first")
+    turns = [m for m in messages if m["role"] != "system"]
+    if not turns or turns[0]["role"] != "user":
+        where.fail(
+            "messages",
+            "the conversation does not start with a user message" if turns else "there is no user message",
+            "start with the user turn (after an optional system message)",
+        )
+    if turns[-1]["role"] != "assistant":
+        where.fail(
+            "messages",
+            f"the conversation ends with a {turns[-1]['role']} message, which nothing answers",
+            "end the conversation with the assistant answer to train on, or drop the last message",
+        )
+    return SFTRecord(messages, where.path, where.index)

@@ -66,6 +66,7 @@ class ActorRolloutSection(ModelSection):
     clip_ratio_high: float | None = None
     shuffle_minibatch: bool = True
     entropy_coeff: float = 0.0
+    ignore_eos: bool = False  # generate max_response_length tokens regardless of EOS (benchmarks)
     num_gpus_for_train: int = 1
     num_gpus_for_infer: int = 1
 

@@ -115,6 +115,7 @@ class PolicyModel:
         do_sample: bool,
         top_p: float,
         top_k: int,
+        ignore_eos: bool = False,
     ) -> list[list[int]]:
         """Responses (with EOS if generated, without padding), ``num_samples`` per prompt, consecutive."""
         tok = self.tokenizer
@@ -137,18 +138,20 @@ class PolicyModel:
                 top_p=top_p if do_sample else None,
                 top_k=top_k if do_sample else None,
                 num_return_sequences=num_samples,
-                eos_token_id=tok.eos_token_id,
+                eos_token_id=None if ignore_eos else tok.eos_token_id,
                 pad_token_id=tok.pad_token_id,
             )
         self.model.train(was_training)
         responses = []
         for row in out[:, width:].tolist():
-            if tok.eos_token_id in row:
-                row = row[: row.index(tok.eos_token_id) + 1]
+            if ignore_eos:
+                responses.append(row)  # exactly max_new_tokens tokens, EOS included as an ordinary token
+            elif tok.eos_token_id in row:
+                responses.append(row[: row.index(tok.eos_token_id) + 1])
             else:
                 while row and row[-1] == tok.pad_token_id:
                     row = row[:-1]
-            responses.append(row)
+                responses.append(row)
         return responses
 
     def log_probs(

@@ -131,6 +131,7 @@ class PPOTrainer:
             do_sample=a.do_sample,
             top_p=a.top_p,
             top_k=a.top_k,
+            ignore_eos=a.ignore_eos,
         )
         return self.make_samples(prompts, responses)
 

@@ -1,0 +1,107 @@
+"""Language-model readouts shared by SFT and DPO: log p(target) at the readout positions of a packed batch.
+
+The vocabulary projection is applied only at readout positions, never at every position of every
+row: the model runs with ``output_hidden_states=True, logits_to_keep=1`` (``readout_hidden``), and
+the LM head is applied to the gathered hidden states ``chunk_size`` readouts at a time. Under autograd
+each chunk is checkpointed, so backward also holds one ``(chunk, vocab)`` block of logits at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from llm.alignment.rm.trainer import readout_hidden
+from llm.data.packing import PackedBatch
+from llm.utils.arguments import TrainingArguments
+from llm.utils.attention import PACKED_SDPA
+from llm.utils.errors import UserError
+from llm.utils.modeling import load_model
+
+READOUT_CHUNK = 1024  # readouts per LM-head block: 1024 x 128k vocab x 4 bytes = 512 MB of fp32 logits
+
+
+def _chunk_log_probs(
+    hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    logits = F.linear(hidden, weight, bias).float()
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
+
+
+def readout_log_probs(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    chunk_size: int = READOUT_CHUNK,
+) -> torch.Tensor:
+    """``log_softmax(hidden @ weight.T + bias)[target]`` per readout, in fp32.
+
+    Shapes: ``hidden`` ``(N, H)``, ``targets`` ``(N,)``, ``weight`` ``(V, H)`` -> ``(N,)``.
+    """
+    if hidden.shape[0] <= chunk_size:
+        return _chunk_log_probs(hidden, targets, weight, bias)
+    parts = []
+    for start in range(0, hidden.shape[0], chunk_size):
+        h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
+        if torch.is_grad_enabled():
+            # recompute this block's logits in backward instead of keeping every block alive
+            parts.append(checkpoint(_chunk_log_probs, h, t, weight, bias, use_reentrant=False))
+        else:
+            parts.append(_chunk_log_probs(h, t, weight, bias))
+    return torch.cat(parts)
+
+
+def token_log_probs(
+    model: torch.nn.Module, head: torch.nn.Linear, batch: PackedBatch, chunk_size: int = READOUT_CHUNK
+) -> torch.Tensor:
+    """``(N,)`` log-probability of each readout target; ``model`` may be DDP-wrapped, ``head`` is its LM head."""
+    hidden = readout_hidden(model, batch, causal_lm=True)
+    return readout_log_probs(hidden, batch.readout_target, head.weight, head.bias, chunk_size)
+
+
+def per_example_sums(values: torch.Tensor, batch: PackedBatch, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``(E,)`` sum of per-readout ``values`` over each example's readouts (those where ``mask`` is true)."""
+    example = batch.readout_example
+    if mask is not None:
+        values, example = values[mask], example[mask]
+    out = torch.zeros(batch.num_examples, dtype=values.dtype, device=values.device)
+    return out.index_add(0, example, values)
+
+
+def weights_dtype(training_args: TrainingArguments) -> torch.dtype:
+    """fp32 weights, or half-precision ones with ``fp16_opt_level`` O2."""
+    if training_args.fp16_opt_level == "O2":
+        return torch.bfloat16 if training_args.bf16 else torch.float16
+    return torch.float32
+
+
+def load_causal_lm(
+    path: str,
+    training_args: TrainingArguments,
+    tokenizer: PreTrainedTokenizerBase,
+    init_from_config: bool,
+) -> PreTrainedModel:
+    """A causal LM with the packed attention kernel; stops if the tokenizer has ids the model cannot embed."""
+    model = load_model(
+        AutoModelForCausalLM,
+        path,
+        init_from_config=init_from_config,
+        seed=training_args.seed,
+        dtype=weights_dtype(training_args),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if len(tokenizer) > vocab:
+        raise UserError(
+            f"the tokenizer has {len(tokenizer)} tokens but {path} has a vocabulary of {vocab}: "
+            "tokenizer_name_or_path and model_name_or_path do not belong together"
+        )
+    return model
+
+
+def check_packed_attention(model: PreTrainedModel, trainer_name: str) -> None:
+    if model.config._attn_implementation != PACKED_SDPA:
+        raise ValueError(f"{trainer_name} needs the model loaded with attn_implementation='{PACKED_SDPA}'")

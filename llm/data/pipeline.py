@@ -1,0 +1,68 @@
+"""One data split end to end: read and validate records, encode them to ``Example``s, pack them into rows."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from llm.data.packing import Example, PackedRow, PackStats, StreamedRows, pack
+from llm.data.readers import load_dataset_records
+from llm.data.tokenize import OverlongCounter, encode_all
+from llm.utils.arguments import DataArgument, TrainingArguments
+from llm.utils.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+Encoder = Callable[..., Example | None]  # encode(record, record_index=, counter=) -> Example or None (skipped)
+
+
+@dataclass
+class PackedData:
+    rows: list[PackedRow] | StreamedRows
+    records: list  # source records, indexed by Example.record (empty when streamed)
+    stats: PackStats | None  # None when streamed
+
+
+def load_packed(
+    path: str,
+    kind: str,
+    encode: Encoder,
+    data_args: DataArgument,
+    batch_size: int,
+    seed: int,
+    probs: str | None = None,
+    lazy: bool = False,
+    **reader_kwargs,
+) -> PackedData:
+    """Read, validate, encode and pack one split; ``lazy``: a stream packed on the fly, in constant memory."""
+
+    def read(lazy_read: bool):
+        return load_dataset_records(path, kind, probs=probs, seed=seed, lazy=lazy_read, **reader_kwargs)
+
+    if lazy:
+
+        def stream():
+            counter = OverlongCounter()
+            for i, record in enumerate(read(True)):
+                example = encode(record, record_index=i, counter=counter)
+                if example is not None:
+                    yield example
+            logger.info(counter.report(f"{path} (one pass)"))
+
+        logger.info("%s: streamed (lazy), packed on the fly into rows of %d, no shuffling", path, data_args.max_seq_len)
+        return PackedData(StreamedRows(stream, data_args.max_seq_len, data_args.pack), [], None)
+    records = list(read(False))
+    examples, _ = encode_all(records, encode, path)
+    if not examples:
+        raise UserError(f"{path}: no example fits max_seq_len={data_args.max_seq_len}: raise max_seq_len")
+    rows, stats = pack(examples, data_args.max_seq_len, data_args.pack, batch_size)
+    logger.info("%s: %s", path, stats.summary(data_args.pack, data_args.max_seq_len))
+    return PackedData(rows, records, stats)
+
+
+def stream_per_rank(training_args: TrainingArguments) -> None:
+    """For ``lazy`` rows: by default accelerate reads an iterable data set on rank 0 only and broadcasts and
+    slices whole collated batches, which must be plain tensors; instead every rank reads the (deterministic)
+    stream and keeps its own share of the rows before collation."""
+    training_args.accelerator_config.dispatch_batches = False

@@ -1,0 +1,32 @@
+"""Direct preference optimisation (DPO; also IPO, hinge, SimPO, ORPO by loss_type) on preference pairs.
+
+python llm/run_dpo.py llm/config/tiny/dpo_argument.json [--field value ...]
+torchrun --nproc_per_node 8 llm/run_dpo.py llm/config/llama/dpo_argument.json
+
+Evaluation reports TRL's metrics (rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies,
+logps/chosen, logps/rejected) and writes them per pair to eval_scores.jsonl.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from llm.alignment.dpo.arguments import DPO_ARGUMENT_TYPES
+from llm.alignment.dpo.build import build_dpo_trainer
+from llm.utils.arguments import parse_arguments, validate_arguments
+from llm.utils.entry import train_and_evaluate
+from llm.utils.errors import run_cli
+from llm.utils.logging import setup_logging
+
+
+def main(argv: list[str] | None = None) -> None:
+    model_args, data_args, training_args = parse_arguments(sys.argv[1:] if argv is None else argv, DPO_ARGUMENT_TYPES)
+    validate_arguments(model_args, data_args, training_args)
+    setup_logging(training_args)
+    trainer, _train, dev = build_dpo_trainer(model_args, data_args, training_args)
+    train_and_evaluate(trainer, data_args, training_args, dev.records if dev else [])
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,31 @@
+"""Supervised fine-tuning (SFT): train and/or evaluate a causal LM on prompt/response data.
+
+python llm/run_finetune.py llm/config/tiny/sft_argument.json [--field value ...]
+torchrun --nproc_per_node 8 llm/run_finetune.py llm/config/llama/sft_argument.json
+
+The loss is on response tokens only (every assistant turn of a multi-turn conversation); evaluation
+reports eval_loss (mean NLL per response token) and eval_ppl = exp(eval_loss).
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from llm.alignment.sft.build import build_sft_trainer
+from llm.utils.arguments import parse_arguments, validate_arguments
+from llm.utils.entry import train_and_evaluate
+from llm.utils.errors import run_cli
+from llm.utils.logging import setup_logging
+
+
+def main(argv: list[str] | None = None) -> None:
+    model_args, data_args, training_args = parse_arguments(sys.argv[1:] if argv is None else argv)
+    validate_arguments(model_args, data_args, training_args)
+    setup_logging(training_args)
+    trainer, _train, dev = build_sft_trainer(model_args, data_args, training_args)
+    train_and_evaluate(trainer, data_args, training_args, dev.records if dev else [])
+
+
+if __name__ == "__main__":
+    run_cli(main)
