@@ -218,9 +218,13 @@ def test_cli_process_exit_code_and_message(tmp_path):
 
 def test_torchrun_two_processes_equal_one_process_double_batch(tmp_path):
     train = small_split(tmp_path, "prm_train.jsonl", 48)
+    # 7 dev solutions in batches of 2 on 2 ranks: the sampler repeats some; each must count once.
+    dev = small_split(tmp_path, "prm_dev.jsonl", 7)
     common = {
         "train_dataset_path": train,
-        "do_eval": False,
+        "dev_dataset_path": dev,
+        "do_eval": True,
+        "per_device_eval_batch_size": 2,
         "max_steps": 3,
         "optim": "sgd",
         "learning_rate": 0.5,
@@ -262,6 +266,10 @@ def test_torchrun_two_processes_equal_one_process_double_batch(tmp_path):
     assert train_losses(two) == pytest.approx(train_losses(one), abs=1e-5)
     wa, wb = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-5
+    ea, eb = read_json(one / "eval_results.json"), read_json(two / "eval_results.json")
+    for key in ("eval_loss", "eval_step_accuracy", "eval_solution_accuracy"):
+        assert ea[key] == pytest.approx(eb[key], rel=1e-6, abs=1e-6), key
+    assert len(read_jsonl(two / "eval_scores.jsonl")) == 7
 
 
 def test_sigterm_saves_a_checkpoint_and_resume_finishes(tmp_path):

@@ -13,12 +13,24 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from llm.alignment.rm.trainer import readout_hidden
 from llm.data.packing import PackedBatch
 from llm.utils.arguments import TrainingArguments
 from llm.utils.attention import PACKED_SDPA
 from llm.utils.errors import UserError
 from llm.utils.modeling import load_model
+
+
+def readout_hidden(model: torch.nn.Module, batch: PackedBatch, causal_lm: bool) -> torch.Tensor:
+    """Final hidden states ``(N, H)`` at the batch's readout positions.
+
+    Goes through the (possibly DDP-wrapped) model's own forward so gradient sync hooks run;
+    ``logits_to_keep=1`` stops a causal LM from computing vocabulary logits at every position.
+    """
+    extra = {"logits_to_keep": 1} if causal_lm else {}
+    out = model(**batch.model_inputs(), output_hidden_states=True, **extra)
+    hidden = out.hidden_states[-1]
+    return hidden.reshape(-1, hidden.shape[-1])[batch.readout_index]
+
 
 READOUT_CHUNK = 1024  # readouts per LM-head block: 1024 x 128k vocab x 4 bytes = 512 MB of fp32 logits
 

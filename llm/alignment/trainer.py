@@ -67,6 +67,14 @@ class AlignmentTrainer(Trainer):
     def metrics(self, examples: list[dict]) -> dict[str, float]:
         raise NotImplementedError
 
+    def item_examples(self, batch: PackedBatch, num_items: int) -> torch.Tensor:
+        """Example index of each loss item: items are either whole examples (pairs) or readouts (steps, tokens)."""
+        if num_items == batch.readout_index.numel():
+            return batch.readout_example
+        if num_items == batch.num_examples:
+            return torch.arange(num_items, device=batch.records.device)
+        raise NotImplementedError(f"{type(self).__name__}: map its {num_items} loss items to examples")
+
     # --- Trainer hooks ------------------------------------------------------------------------
     def _prepare_inputs(self, inputs: PackedBatch) -> PackedBatch:
         return inputs.to(self.args.device)
@@ -131,22 +139,24 @@ class AlignmentTrainer(Trainer):
         model = self.model
         was_training = model.training
         model.eval()
-        examples, loss_sum, items = [], 0.0, 0
+        examples = []
         with torch.no_grad():
             for batch in dataloader:
                 batch = self._prepare_inputs(batch)
                 with self.compute_loss_context_manager():
                     out = self.forward_items(model, batch)
-                loss_sum += out.loss.double().sum().item()
-                items += out.loss.numel()
-                examples += self.example_outputs(batch, out)
+                # Each example carries its own loss sum and item count, so examples repeated across
+                # ranks (DistributedSampler evens out the shards) are counted once below.
+                owner = self.item_examples(batch, out.loss.numel())
+                sums = torch.zeros(batch.num_examples, dtype=torch.float64, device=out.loss.device)
+                sums.index_add_(0, owner, out.loss.double())
+                counts = torch.bincount(owner, minlength=batch.num_examples)
+                for ex, loss_sum, n in zip(self.example_outputs(batch, out), sums.tolist(), counts.tolist()):
+                    examples.append({**ex, "_loss": loss_sum, "_items": n})
         model.train(was_training)
-        examples = _gather_objects(examples)
-        # DistributedSampler repeats a few examples to even out ranks: keep each record once.
-        unique = {ex["record"]: ex for ex in examples}
+        unique = {ex["record"]: ex for ex in _gather_objects(examples)}
         examples = [unique[k] for k in sorted(unique)]
-        totals = _gather_objects([(loss_sum, items)])
-        loss = sum(t[0] for t in totals) / max(sum(t[1] for t in totals), 1)
+        loss = sum(ex.pop("_loss") for ex in examples) / max(sum(ex.pop("_items") for ex in examples), 1)
         metrics = {"loss": loss, **self.metrics(examples)}
         metrics["runtime"] = time.perf_counter() - start
         metrics = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from llm.alignment.lm import readout_hidden
 from llm.alignment.rm.loss import step_scores
-from llm.alignment.rm.trainer import readout_hidden
 from llm.data.packing import causal_example, collate, pack
 from llm.data.tokenize import prm_response_text
 from llm.utils.attention import PACKED_SDPA

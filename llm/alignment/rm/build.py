@@ -3,25 +3,15 @@
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import os
-from dataclasses import dataclass
 
-import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedTokenizerBase
 
+from llm.alignment.lm import weights_dtype
 from llm.alignment.rm.trainer import RewardTrainer
-from llm.data.packing import PackedRow, PackStats, StreamedRows, collate, pack
-from llm.data.readers import load_dataset_records
-from llm.data.tokenize import (
-    EncodeConfig,
-    OverlongCounter,
-    encode_all,
-    encode_pair_for_scores,
-    encode_prm,
-    single_token_id,
-)
+from llm.data.packing import collate
+from llm.data.pipeline import PackedData, load_packed
+from llm.data.tokenize import EncodeConfig, encode_pair_for_scores, encode_prm, single_token_id
 from llm.utils.arguments import DataArgument, ModelArgument, TrainingArguments
 from llm.utils.attention import kernel_for
 from llm.utils.errors import UserError
@@ -29,13 +19,6 @@ from llm.utils.modeling import count_parameters, load_model, load_tokenizer
 from llm.utils.preemption import SaveOnSignal
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RewardData:
-    rows: list[PackedRow] | StreamedRows
-    records: list  # source records, indexed by Example.record (empty when streamed)
-    stats: PackStats | None  # None when streamed
 
 
 def reward_tokens(model_args: ModelArgument) -> tuple[str, str]:
@@ -57,10 +40,9 @@ def build_reward_data(
     seed: int,
     probs: str | None = None,
     lazy: bool = False,
-) -> RewardData:
+) -> PackedData:
     """Read, validate, tokenise and pack one split (``lazy``: a stream packed on the fly)."""
     tokens = reward_tokens(model_args)
-    kind = "prm" if process_reward else "pair"
     cfg = EncodeConfig(
         data_args.max_seq_len, data_args.max_prompt_len, data_args.overlong_policy, data_args.use_chat_template
     )
@@ -76,43 +58,23 @@ def build_reward_data(
         )
     else:
         encode = functools.partial(encode_pair_for_scores, tokenizer=tokenizer, cfg=cfg)
-
-    def read(lazy_read: bool):
-        return load_dataset_records(
-            path,
-            kind,
-            probs=probs,
-            seed=seed,
-            lazy=lazy_read,
-            reward_tokens=tokens,
-            placeholder=model_args.placeholder_token,
-        )
-
-    if lazy:
-
-        def stream():
-            counter = OverlongCounter()
-            for i, record in enumerate(read(True)):
-                example = encode(record, record_index=i, counter=counter)
-                if example is not None:
-                    yield example
-            logger.info(counter.report(f"{path} (one pass)"))
-
-        logger.info("%s: streamed (lazy), packed on the fly into rows of %d, no shuffling", path, data_args.max_seq_len)
-        return RewardData(StreamedRows(stream, data_args.max_seq_len, data_args.pack), [], None)
-    records = list(read(False))
-    examples, _ = encode_all(records, encode, path)
-    if not examples:
-        raise UserError(f"{path}: no example fits max_seq_len={data_args.max_seq_len}: raise max_seq_len")
-    rows, stats = pack(examples, data_args.max_seq_len, data_args.pack, batch_size)
-    logger.info("%s: %s", path, stats.summary(data_args.pack, data_args.max_seq_len))
-    return RewardData(rows, records, stats)
+    kind = "prm" if process_reward else "pair"
+    return load_packed(
+        path,
+        kind,
+        encode,
+        data_args,
+        batch_size,
+        seed,
+        probs,
+        lazy,
+        reward_tokens=tokens,
+        placeholder=model_args.placeholder_token,
+    )
 
 
 def build_reward_model(model_args: ModelArgument, training_args: TrainingArguments, tokenizer: PreTrainedTokenizerBase):
-    dtype = torch.float32
-    if training_args.fp16_opt_level == "O2":
-        dtype = torch.bfloat16 if training_args.bf16 else torch.float16
+    dtype = weights_dtype(training_args)
     if training_args.process_reward:
         model = load_model(
             AutoModelForCausalLM,
@@ -199,19 +161,3 @@ def build_reward_trainer(model_args: ModelArgument, data_args: DataArgument, tra
         callbacks=[SaveOnSignal()],
     )
     return trainer, train, dev
-
-
-def write_scores(path: str, examples: list[dict], records: list) -> None:
-    """Per-example outputs as JSON lines, naming the source file and record of each."""
-    with open(path, "w", encoding="utf-8") as f:
-        for ex in examples:
-            rec = records[ex["record"]]
-            row = {"source": rec.source, "index": rec.index}
-            row.update({k: v for k, v in ex.items() if k != "record"})
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-
-
-def write_json(path: str, data: dict) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=True)

@@ -6,25 +6,12 @@ per-item losses and per-example outputs; everything else is ``AlignmentTrainer``
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
+from llm.alignment.lm import check_packed_attention, readout_hidden
 from llm.alignment.rm.loss import pairwise_loss, step_loss, step_scores
 from llm.alignment.trainer import AlignmentTrainer, ItemOutputs
 from llm.data.packing import PackedBatch
-from llm.utils.attention import PACKED_SDPA
-
-
-def readout_hidden(model: torch.nn.Module, batch: PackedBatch, causal_lm: bool) -> torch.Tensor:
-    """Final hidden states ``(N, H)`` at the batch's readout positions.
-
-    Goes through the (possibly DDP-wrapped) model's own forward so gradient sync hooks run;
-    ``logits_to_keep=1`` stops a causal LM from computing vocabulary logits at every position.
-    """
-    extra = {"logits_to_keep": 1} if causal_lm else {}
-    out = model(**batch.model_inputs(), output_hidden_states=True, **extra)
-    hidden = out.hidden_states[-1]
-    return hidden.reshape(-1, hidden.shape[-1])[batch.readout_index]
 
 
 class RewardTrainer(AlignmentTrainer):
@@ -38,8 +25,7 @@ class RewardTrainer(AlignmentTrainer):
         **kwargs,
     ) -> None:
         super().__init__(*args, **kwargs)
-        if self.model.config._attn_implementation != PACKED_SDPA:
-            raise ValueError("RewardTrainer needs the model loaded with attn_implementation='packed_sdpa'")
+        check_packed_attention(self.model, "RewardTrainer")
         self.process_reward = process_reward
         self.reward_token_ids = list(reward_token_ids) if reward_token_ids else None
         self.margin = margin
