@@ -72,6 +72,22 @@ class Experience:
     returns: torch.Tensor | None  # (B, T), GAE only
 
 
+def make_samples(prompts: list[Prompt], responses: list[list[int]], tok) -> Samples:
+    """Samples from given responses (``len(responses) // len(prompts)`` consecutive per prompt)."""
+    k = len(responses) // len(prompts)
+    expanded = [p for p in prompts for _ in range(k)]
+    ended = torch.tensor([bool(r) and r[-1] == tok.eos_token_id for r in responses])
+    responses = [r if r else [tok.eos_token_id] for r in responses]  # an empty response still gets a token
+    return Samples(
+        prompt_ids=[p.ids for p in expanded],
+        response_ids=responses,
+        prompts=[p.text for p in expanded],
+        responses=[tok.decode(r, skip_special_tokens=True) for r in responses],
+        references=[p.reference for p in expanded],
+        ended=ended,
+    )
+
+
 def _chunks(items: list[int], size: int) -> list[list[int]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
@@ -136,20 +152,7 @@ class PPOTrainer:
         return self.make_samples(prompts, responses)
 
     def make_samples(self, prompts: list[Prompt], responses: list[list[int]]) -> Samples:
-        """Samples from given responses (``num_samples_per_step`` consecutive per prompt)."""
-        k = len(responses) // len(prompts)
-        tok = self.actor.tokenizer
-        expanded = [p for p in prompts for _ in range(k)]
-        ended = torch.tensor([bool(r) and r[-1] == tok.eos_token_id for r in responses])
-        responses = [r if r else [tok.eos_token_id] for r in responses]  # an empty response still gets a token
-        return Samples(
-            prompt_ids=[p.ids for p in expanded],
-            response_ids=responses,
-            prompts=[p.text for p in expanded],
-            responses=[tok.decode(r, skip_special_tokens=True) for r in responses],
-            references=[p.reference for p in expanded],
-            ended=ended,
-        )
+        return make_samples(prompts, responses, self.actor.tokenizer)
 
     # --- phase 2: score ----------------------------------------------------------------------
     @torch.no_grad()
