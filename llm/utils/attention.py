@@ -38,6 +38,8 @@ Kernels (see PACKING-NOTES.md for which transformers paths are silently wrong):
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -121,11 +123,20 @@ def _bottom_right_causal(q_len: int, k_len: int, device: torch.device) -> torch.
     return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)
 
 
-def _gather_ranges(x: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
-    if len(ranges) == 1:
-        s, e = ranges[0]
-        return x[:, :, s:e]
-    return torch.cat([x[:, :, s:e] for s, e in ranges], dim=2)
+def _row_pieces(x: torch.Tensor, bounds: list[int]) -> dict[int, torch.Tensor]:
+    """Split one row ``(1, H, L, D)`` at every boundary once. Slicing per block instead makes each
+    slice's backward zero-fill and add a whole ``(1, H, L, D)`` gradient: measurable with many blocks."""
+    sizes = [b - a for a, b in itertools.pairwise(bounds)]
+    return dict(zip(bounds[:-1], x.split(sizes, dim=2)))
+
+
+def _take(pieces: dict[int, torch.Tensor], bounds: list[int], ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    parts = [
+        pieces[bounds[k]]
+        for s, e in ranges
+        for k in range(bisect.bisect_left(bounds, s), bisect.bisect_left(bounds, e))
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
 def blockwise_sdpa(
@@ -138,15 +149,20 @@ def blockwise_sdpa(
 ) -> torch.Tensor:
     """SDPA block by block. q ``(B, H, L, D)``, k/v ``(B, Hkv, L, D)`` -> ``(B, H, L, D)``; padding -> 0."""
     gqa = key.shape[1] != query.shape[1]
+    length = packed.seq_len
     out_rows = []
-    for r, row in enumerate(packed.blocks):
-        q_r, k_r, v_r = query[r : r + 1], key[r : r + 1], value[r : r + 1]
+    rows = zip(query.split(1, 0), key.split(1, 0), value.split(1, 0), packed.blocks)
+    for q_r, k_r, v_r, row in rows:
+        bounds = sorted(
+            {0, length, *(b.q_start for b in row), *(b.q_end for b in row), *(x for b in row for r in b.kv for x in r)}
+        )
+        qs, ks, vs = (_row_pieces(t, bounds) for t in (q_r, k_r, v_r))
         pieces, cursor = [], 0
         for b in sorted(row, key=lambda b: b.q_start):
             if b.q_start > cursor:
                 pieces.append(q_r.new_zeros(1, q_r.shape[1], b.q_start - cursor, q_r.shape[3]))
-            q = q_r[:, :, b.q_start : b.q_end]
-            k, v = _gather_ranges(k_r, b.kv), _gather_ranges(v_r, b.kv)
+            q = _take(qs, bounds, ((b.q_start, b.q_end),))
+            k, v = _take(ks, bounds, b.kv), _take(vs, bounds, b.kv)
             if b.is_document_causal:
                 o = F.scaled_dot_product_attention(
                     q, k, v, is_causal=True, scale=scaling, dropout_p=dropout, enable_gqa=gqa
@@ -158,8 +174,8 @@ def blockwise_sdpa(
                 )
             pieces.append(o)
             cursor = b.q_end
-        if cursor < packed.seq_len:
-            pieces.append(q_r.new_zeros(1, q_r.shape[1], packed.seq_len - cursor, q_r.shape[3]))
+        if cursor < length:
+            pieces.append(q_r.new_zeros(1, q_r.shape[1], length - cursor, q_r.shape[3]))
         out_rows.append(torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0])
     return torch.cat(out_rows, dim=0) if len(out_rows) > 1 else out_rows[0]
 
