@@ -66,3 +66,36 @@ def stream_per_rank(training_args: TrainingArguments) -> None:
     slices whole collated batches, which must be plain tensors; instead every rank reads the (deterministic)
     stream and keeps its own share of the rows before collation."""
     training_args.accelerator_config.dispatch_batches = False
+
+
+SplitBuilder = Callable[..., PackedData]  # build(path, batch_size=, probs=, lazy=) -> PackedData
+
+
+def train_and_dev(
+    data_args: DataArgument, training_args: TrainingArguments, build: SplitBuilder
+) -> tuple[PackedData | None, PackedData | None]:
+    """The training split (streamed when ``lazy``, mixed by ``dataset_probs``) when training, and the dev
+    split when evaluating; a missing path stops the run naming the field."""
+    train = dev = None
+    if training_args.do_train:
+        if not data_args.train_dataset_path:
+            raise UserError("do_train is true but train_dataset_path is not set")
+        if data_args.lazy:
+            stream_per_rank(training_args)
+        train = build(
+            data_args.train_dataset_path,
+            batch_size=training_args.per_device_train_batch_size,
+            probs=data_args.dataset_probs,
+            lazy=data_args.lazy,
+        )
+    if training_args.do_eval or training_args.eval_strategy != "no":
+        if not data_args.dev_dataset_path:
+            raise UserError("evaluation is on (do_eval or eval_strategy) but dev_dataset_path is not set")
+        dev = build(data_args.dev_dataset_path, batch_size=training_args.per_device_eval_batch_size)
+    return train, dev
+
+
+def plan_summary(train: PackedData | None, data_args: DataArgument) -> str:
+    if train is None:
+        return "no training data"
+    return train.stats.summary(data_args.pack, data_args.max_seq_len) if train.stats else "streamed data"

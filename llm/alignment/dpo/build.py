@@ -12,7 +12,7 @@ from llm.alignment.dpo.arguments import DPOModelArgument, DPOTrainingArguments
 from llm.alignment.dpo.trainer import DPOTrainer, collate_pairs
 from llm.alignment.lm import load_causal_lm
 from llm.alignment.sft.build import encode_config
-from llm.data.pipeline import PackedData, load_packed, stream_per_rank
+from llm.data.pipeline import PackedData, load_packed, plan_summary, train_and_dev
 from llm.data.tokenize_lm import encode_pair_for_lm
 from llm.utils.arguments import DataArgument
 from llm.utils.attention import kernel_for
@@ -63,32 +63,18 @@ def build_dpo_trainer(
 ) -> tuple[DPOTrainer, PackedData | None, PackedData | None]:
     if training_args.precompute_ref_log_probs and data_args.lazy:
         raise UserError("precompute_ref_log_probs needs the data in memory: set lazy false (or precompute false)")
-    if data_args.lazy:
-        stream_per_rank(training_args)
     tokenizer = load_tokenizer(model_args.tokenizer_name_or_path or model_args.model_name_or_path)
     model = load_causal_lm(model_args.model_name_or_path, training_args, tokenizer, model_args.init_from_config)
     ref_model = build_reference(model_args, training_args, tokenizer, model)
-    data = functools.partial(build_pair_data, tokenizer=tokenizer, data_args=data_args, seed=training_args.seed)
-    train = dev = None
-    if training_args.do_train:
-        if not data_args.train_dataset_path:
-            raise UserError("do_train is true but train_dataset_path is not set")
-        train = data(
-            data_args.train_dataset_path,
-            loss_type=training_args.loss_type,
-            batch_size=training_args.per_device_train_batch_size,
-            probs=data_args.dataset_probs,
-            lazy=data_args.lazy,
-        )
-    if training_args.do_eval or training_args.eval_strategy != "no":
-        if not data_args.dev_dataset_path:
-            raise UserError("evaluation is on (do_eval or eval_strategy) but dev_dataset_path is not set")
-        dev = data(
-            data_args.dev_dataset_path,
-            loss_type=training_args.loss_type,
-            batch_size=training_args.per_device_eval_batch_size,
-        )
-    plan = train.stats.summary(data_args.pack, data_args.max_seq_len) if train and train.stats else "streamed data"
+    data = functools.partial(
+        build_pair_data,
+        tokenizer=tokenizer,
+        data_args=data_args,
+        seed=training_args.seed,
+        loss_type=training_args.loss_type,
+    )
+    train, dev = train_and_dev(data_args, training_args, data)
+    plan = plan_summary(train, data_args)
     logger.info(
         "DPO (%s) %s: %.2fM parameters; %s",
         training_args.loss_type,

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from llm.alignment.lm import weights_dtype
 from llm.alignment.rm.trainer import RewardTrainer
 from llm.data.packing import collate
-from llm.data.pipeline import PackedData, load_packed
+from llm.data.pipeline import PackedData, load_packed, plan_summary, train_and_dev
 from llm.data.tokenize import EncodeConfig, encode_pair_for_scores, encode_prm, single_token_id
 from llm.utils.arguments import DataArgument, ModelArgument, TrainingArguments
 from llm.utils.attention import kernel_for
@@ -114,35 +114,23 @@ def build_reward_model(model_args: ModelArgument, training_args: TrainingArgumen
 def build_reward_trainer(model_args: ModelArgument, data_args: DataArgument, training_args: TrainingArguments):
     tokenizer = load_tokenizer(model_args.tokenizer_name_or_path or model_args.model_name_or_path)
     model, token_ids = build_reward_model(model_args, training_args, tokenizer)
-    train = dev = None
-    if training_args.do_train:
-        if not data_args.train_dataset_path:
-            raise UserError("do_train is true but train_dataset_path is not set")
-        train = build_reward_data(
-            data_args.train_dataset_path,
-            tokenizer,
-            model_args,
-            data_args,
-            training_args.process_reward,
-            training_args.per_device_train_batch_size,
-            training_args.seed,
-            data_args.dataset_probs,
-        )
-    if training_args.do_eval or training_args.eval_strategy != "no":
-        if not data_args.dev_dataset_path:
-            raise UserError("evaluation is on (do_eval or eval_strategy) but dev_dataset_path is not set")
-        dev = build_reward_data(
-            data_args.dev_dataset_path,
-            tokenizer,
-            model_args,
-            data_args,
-            training_args.process_reward,
-            training_args.per_device_eval_batch_size,
-            training_args.seed,
-        )
+    data = functools.partial(
+        build_reward_data,
+        tokenizer=tokenizer,
+        model_args=model_args,
+        data_args=data_args,
+        process_reward=training_args.process_reward,
+        seed=training_args.seed,
+    )
+    train, dev = train_and_dev(data_args, training_args, data)
     mode = "PRM" if training_args.process_reward else "ORM"
-    plan = train.stats.summary(data_args.pack, data_args.max_seq_len) if train and train.stats else "streamed data"
-    logger.info("%s %s: %.2fM parameters; %s", mode, type(model).__name__, count_parameters(model) / 1e6, plan)
+    logger.info(
+        "%s %s: %.2fM parameters; %s",
+        mode,
+        type(model).__name__,
+        count_parameters(model) / 1e6,
+        plan_summary(train, data_args),
+    )
     trainer = RewardTrainer(
         model=model,
         args=training_args,

@@ -10,12 +10,11 @@ from transformers import PreTrainedTokenizerBase
 from llm.alignment.lm import load_causal_lm
 from llm.alignment.sft.trainer import SFTTrainer
 from llm.data.packing import collate
-from llm.data.pipeline import PackedData, load_packed, stream_per_rank
+from llm.data.pipeline import PackedData, load_packed, plan_summary, train_and_dev
 from llm.data.tokenize import EncodeConfig
 from llm.data.tokenize_lm import encode_sft
 from llm.utils.arguments import DataArgument, ModelArgument, TrainingArguments
 from llm.utils.attention import kernel_for
-from llm.utils.errors import UserError
 from llm.utils.modeling import count_parameters, load_tokenizer
 from llm.utils.preemption import SaveOnSignal
 
@@ -44,35 +43,16 @@ def build_sft_data(
 def build_sft_trainer(
     model_args: ModelArgument, data_args: DataArgument, training_args: TrainingArguments
 ) -> tuple[SFTTrainer, PackedData | None, PackedData | None]:
-    if data_args.lazy:
-        stream_per_rank(training_args)
     tokenizer = load_tokenizer(model_args.tokenizer_name_or_path or model_args.model_name_or_path)
     model = load_causal_lm(model_args.model_name_or_path, training_args, tokenizer, model_args.init_from_config)
-    train = dev = None
-    if training_args.do_train:
-        if not data_args.train_dataset_path:
-            raise UserError("do_train is true but train_dataset_path is not set")
-        train = build_sft_data(
-            data_args.train_dataset_path,
-            tokenizer,
-            data_args,
-            training_args.per_device_train_batch_size,
-            training_args.seed,
-            data_args.dataset_probs,
-            data_args.lazy,
-        )
-    if training_args.do_eval or training_args.eval_strategy != "no":
-        if not data_args.dev_dataset_path:
-            raise UserError("evaluation is on (do_eval or eval_strategy) but dev_dataset_path is not set")
-        dev = build_sft_data(
-            data_args.dev_dataset_path,
-            tokenizer,
-            data_args,
-            training_args.per_device_eval_batch_size,
-            training_args.seed,
-        )
-    plan = train.stats.summary(data_args.pack, data_args.max_seq_len) if train and train.stats else "streamed data"
-    logger.info("SFT %s: %.2fM parameters; %s", type(model).__name__, count_parameters(model) / 1e6, plan)
+    data = functools.partial(build_sft_data, tokenizer=tokenizer, data_args=data_args, seed=training_args.seed)
+    train, dev = train_and_dev(data_args, training_args, data)
+    logger.info(
+        "SFT %s: %.2fM parameters; %s",
+        type(model).__name__,
+        count_parameters(model) / 1e6,
+        plan_summary(train, data_args),
+    )
     trainer = SFTTrainer(
         model=model,
         args=training_args,
