@@ -257,3 +257,13 @@ def test_prm_dense_rewards_land_on_each_steps_last_token():
     for agg, fn in (("min", min), ("last", lambda x: x[-1]), ("mean", lambda x: sum(x) / len(x))):
         reward.aggregation = agg
         assert reward.score(s).scores.item() == pytest.approx(fn(expected.tolist()), abs=1e-5)
+
+
+def test_every_ppo_config_in_tree_parses():
+    import glob
+
+    files = sorted(glob.glob(os.path.join(ROOT, "llm", "config", "*", "ppo_argument.json")))
+    assert len(files) >= 3, files
+    for path in files:
+        c = parse_ppo_config([path])
+        assert c.actor_rollout.model_name_or_path and c.data.train_dataset_path
