@@ -32,8 +32,8 @@ def config(tmp_path, **sections):
     cfg["training"].update(
         output_dir=str(tmp_path / "out"), report_to="none", disable_tqdm=True, max_steps=2, save_steps=0
     )
-    cfg["actor_rollout"].update(max_response_length=8, ppo_mini_batch_size=4)
-    cfg["critic"].update(critic_mini_batch_size=4)
+    cfg["actor_rollout"].update(max_response_length=8, ppo_mini_batch_size=4, ppo_epochs=1)
+    cfg["critic"].update(critic_mini_batch_size=4, critic_update_epochs=1)
     cfg["data"].update(rollout_batch_size=4)
     for sec, values in sections.items():
         cfg.setdefault(sec, {}).update(values)
