@@ -234,3 +234,15 @@ def test_accumulation_4x1_equals_batch_4(tmp_path, process_reward):
     assert moved > 1e-4  # the step did something
     worst = max((big[k] - small[k]).abs().max().item() for k in big)
     assert worst <= 1e-6 * max(1.0, moved) + 1e-7, worst
+
+
+def test_chat_template_prompt_rendering():
+    tok = tokenizer()
+    record = pair_records(1)[0]
+    plain = encode_pair_for_scores(record, tok, EncodeConfig(1024, 256), 0, OverlongCounter())
+    chat = encode_pair_for_scores(record, tok, EncodeConfig(1024, 256, use_chat_template=True), 0, OverlongCounter())
+    p_plain, p_chat = plain.blocks[1].kv[0][1], chat.blocks[1].kv[0][1]
+    text = tok.decode(chat.input_ids[:p_chat])
+    assert text.startswith("<|user|>") and text.rstrip().endswith("<|assistant|>")
+    assert record.prompt[-1]["content"] in text
+    assert chat.input_ids[p_chat:] == plain.input_ids[p_plain:]  # answers are tokenised the same way
