@@ -50,10 +50,9 @@ N_PROMPTS = 300
 P_WRONG = 0.5  # share of PRM solutions that carry an error
 P_MULTI_TURN = 0.1  # share of pair records with a two-turn history
 MAX_VALUE = 99  # every shown number stays in [0, MAX_VALUE]
-MAX_DELTA = 5  # a wrong number is off by 1..MAX_DELTA
-# Error mix (the rest are wrong results, checked locally from "a op b = c").
+# Error mix: mostly wrong results, which a tiny model can check locally from "a op b = c".
 P_ANSWER_ERROR = 0.15  # final answer does not repeat the last result
-P_OPERAND_ERROR = 0.35  # a question number or earlier result copied wrongly into an equation
+P_CARRY_ERROR = 0.3  # of errors at a step whose left operand is an earlier result
 
 
 class Ref(NamedTuple):
@@ -83,14 +82,12 @@ class Problem:
 
 
 class Error(NamedTuple):
-    """One injected error: ``kind`` is "result", "operand" or "answer"; ``step`` the index of
-    the first wrong step; ``delta`` the offset of the wrong number; ``side`` which operand
-    (0 left, 1 right) an "operand" error copies wrongly."""
+    """One injected error: ``kind`` is "result", "carry" or "answer"; ``step`` the index of
+    the first wrong step; ``delta`` the offset of the wrong number."""
 
     kind: str
     step: int
     delta: int
-    side: int
 
 
 _EQ = "{a} {op} {b} = {c}"
@@ -135,13 +132,7 @@ _FLOWERS = ["roses", "tulips", "daisies", "lilies"]
 
 
 def _d(rng: random.Random) -> int:
-    """A question number for additions and subtractions."""
     return rng.randint(1, 9)
-
-
-def _f(rng: random.Random) -> int:
-    """A factor: products stay small (at most 25)."""
-    return rng.randint(2, 5)
 
 
 def _person(rng: random.Random) -> tuple[str, str, str]:
@@ -159,25 +150,25 @@ def _cap(s: str) -> str:
 
 def _shop_one(rng: random.Random) -> Problem:
     name, he, _ = _person(rng)
-    a, b, thing = _f(rng), _f(rng), rng.choice(_THINGS)
+    a, b, thing = _d(rng), _d(rng), rng.choice(_THINGS)
     q = f"{name} buys {a} {thing} at {b} dollars each. How much does {he} pay?"
-    return Problem(q, (Step(f"The {thing} cost {_EQ}.", "*", a, b),))
+    return Problem(q, (Step(f"The {thing} cost {_EQ} dollars.", "*", a, b),))
 
 
 def _shop_two(rng: random.Random, coupon: bool = False) -> Problem:
     name, he, _ = _person(rng)
     x, y = rng.sample(_BY_KG, 2)
-    a, b, c, d = (_f(rng) for _ in range(4))
+    a, b, c, d = (_d(rng) for _ in range(4))
     q = f"{name} buys {a} kg of {x} at {b} dollars per kg and {c} kg of {y} at {d} dollars per kg."
     steps = [
-        Step(f"{_cap(x)} costs {_EQ}.", "*", a, b),
-        Step(f"{_cap(y)} costs {_EQ}.", "*", c, d),
-        Step(f"In total {he} pays {_EQ}.", "+", Ref(0), Ref(1)),
+        Step(f"{_cap(x)} costs {_EQ} dollars.", "*", a, b),
+        Step(f"{_cap(y)} costs {_EQ} dollars.", "*", c, d),
+        Step(f"In total {he} pays {_EQ} dollars.", "+", Ref(0), Ref(1)),
     ]
     if coupon:
         e = _d(rng)
         q += f" {_cap(he)} uses a coupon worth {e} dollars."
-        steps.append(Step(f"With the coupon {he} pays {_EQ}.", "-", Ref(2), e))
+        steps.append(Step(f"With the coupon {he} pays {_EQ} dollars.", "-", Ref(2), e))
     return Problem(q + f" How much does {he} pay?", tuple(steps))
 
 
@@ -191,67 +182,28 @@ def _gain_lose(rng: random.Random) -> Problem:
     return Problem(
         q,
         (
-            Step(f"After getting more, {he} has {_EQ}.", "+", a, b),
-            Step(f"After giving some away, {he} has {_EQ}.", "-", Ref(0), c),
-        ),
-    )
-
-
-def _find_lose(rng: random.Random) -> Problem:
-    name, he, _ = _person(rng)
-    a, b, c, d, thing = _d(rng), _d(rng), _d(rng), _d(rng), rng.choice(_THINGS)
-    q = f"{name} has {a} {thing}. {_cap(he)} finds {b}, loses {c} and then wins {d}. How many {thing} does {he} have?"
-    return Problem(
-        q,
-        (
-            Step(f"After finding some, {he} has {_EQ}.", "+", a, b),
-            Step(f"After losing some, {he} has {_EQ}.", "-", Ref(0), c),
-            Step(f"After winning, {he} has {_EQ}.", "+", Ref(1), d),
-        ),
-    )
-
-
-def _bus(rng: random.Random) -> Problem:
-    a, b, c, v = _d(rng), _d(rng), _d(rng), rng.choice(_VEHICLES[1:3])
-    q = f"A {v} has {a} people. At the stop {b} people get on and {c} get off. How many people are on the {v}?"
-    return Problem(
-        q,
-        (
-            Step(f"After some get on, there are {_EQ}.", "+", a, b),
-            Step(f"After some get off, there are {_EQ}.", "-", Ref(0), c),
-        ),
-    )
-
-
-def _reading(rng: random.Random) -> Problem:
-    name, he, _ = _person(rng)
-    a, b, c = _d(rng), _d(rng), _d(rng)
-    q = f"{name} reads {a} pages on Monday, {b} on Tuesday and {c} on Wednesday. How many pages does {he} read?"
-    return Problem(
-        q,
-        (
-            Step(f"By Tuesday {he} reads {_EQ}.", "+", a, b),
-            Step(f"By Wednesday {he} reads {_EQ}.", "+", Ref(0), c),
+            Step(f"After getting more, {he} has {_EQ} {thing}.", "+", a, b),
+            Step(f"After giving some away, {he} has {_EQ} {thing}.", "-", Ref(0), c),
         ),
     )
 
 
 def _boxes_take(rng: random.Random) -> Problem:
     name, _, _ = _person(rng)
-    a, b, c, thing = _f(rng), _f(rng), _d(rng), rng.choice(_THINGS)
+    a, b, c, thing = _d(rng), _d(rng), _d(rng), rng.choice(_THINGS)
     q = f"There are {a} boxes with {b} {thing} in each box. {name} takes {c} {thing}. How many {thing} are left?"
     return Problem(
         q,
         (
-            Step(f"The boxes hold {_EQ}.", "*", a, b),
-            Step(f"After {name} takes some, there are {_EQ}.", "-", Ref(0), c),
+            Step(f"The boxes hold {_EQ} {thing}.", "*", a, b),
+            Step(f"After {name} takes some, {_EQ} {thing} are left.", "-", Ref(0), c),
         ),
     )
 
 
 def _share(rng: random.Random) -> Problem:
     name, he, _ = _person(rng)
-    a, b, c, thing = _f(rng), _f(rng), _f(rng), rng.choice(_THINGS)
+    a, b, c, thing = _d(rng), _d(rng), rng.randint(2, 9), rng.choice(_THINGS)
     q = (
         f"{name} has {a} bags with {b} {thing} in each bag. {_cap(he)} shares them equally "
         f"among {c} friends. How many {thing} does each friend get?"
@@ -259,14 +211,14 @@ def _share(rng: random.Random) -> Problem:
     return Problem(
         q,
         (
-            Step(f"In all there are {_EQ}.", "*", a, b),
-            Step(f"Each friend gets {_EQ}.", "/", Ref(0), c),
+            Step(f"There are {_EQ} {thing}.", "*", a, b),
+            Step(f"Each friend gets {_EQ} {thing}.", "/", Ref(0), c),
         ),
     )
 
 
 def _travel(rng: random.Random) -> Problem:
-    a, b, c, d, v = _f(rng), _f(rng), _f(rng), _f(rng), rng.choice(_VEHICLES)
+    a, b, c, d, v = _d(rng), _d(rng), _d(rng), _d(rng), rng.choice(_VEHICLES)
     q = (
         f"A {v} travels for {a} hours at {b} km per hour and then for {c} hours at {d} km "
         f"per hour. How far does it travel?"
@@ -274,29 +226,29 @@ def _travel(rng: random.Random) -> Problem:
     return Problem(
         q,
         (
-            Step(f"First it travels {_EQ}.", "*", a, b),
-            Step(f"Then it travels {_EQ}.", "*", c, d),
-            Step(f"In total it travels {_EQ}.", "+", Ref(0), Ref(1)),
+            Step(f"First it travels {_EQ} km.", "*", a, b),
+            Step(f"Then it travels {_EQ} km.", "*", c, d),
+            Step(f"In total it travels {_EQ} km.", "+", Ref(0), Ref(1)),
         ),
     )
 
 
 def _baker(rng: random.Random) -> Problem:
-    a, b, c = _f(rng), _f(rng), _f(rng)
+    a, b, c = _d(rng), _d(rng), _d(rng)
     q = f"A baker bakes {a} trays with {b} cookies on each tray. She sells {c} trays. How many cookies are left?"
     return Problem(
         q,
         (
-            Step(f"The baker bakes {_EQ}.", "*", a, b),
-            Step(f"She sells {_EQ}.", "*", c, b),
-            Step(f"So the cookies left are {_EQ}.", "-", Ref(0), Ref(1)),
+            Step(f"The baker bakes {_EQ} cookies.", "*", a, b),
+            Step(f"She sells {_EQ} cookies.", "*", c, b),
+            Step(f"So {_EQ} cookies are left.", "-", Ref(0), Ref(1)),
         ),
     )
 
 
 def _savings(rng: random.Random) -> Problem:
     name, he, his = _person(rng)
-    a, b, c, d = _f(rng), _f(rng), _d(rng), _d(rng)
+    a, b, c, d = (_d(rng) for _ in range(4))
     q = (
         f"{name} saves {a} dollars a week for {b} weeks. Then {he} spends {c} dollars and "
         f"gets {d} dollars from {his} aunt. How much money does {he} have?"
@@ -304,36 +256,32 @@ def _savings(rng: random.Random) -> Problem:
     return Problem(
         q,
         (
-            Step(f"{_cap(he)} saves {_EQ}.", "*", a, b),
-            Step(f"After spending, {he} has {_EQ}.", "-", Ref(0), c),
-            Step(f"After the gift, {he} has {_EQ}.", "+", Ref(1), d),
+            Step(f"{_cap(he)} saves {_EQ} dollars.", "*", a, b),
+            Step(f"After spending, {he} has {_EQ} dollars.", "-", Ref(0), c),
+            Step(f"After the gift, {he} has {_EQ} dollars.", "+", Ref(1), d),
         ),
     )
 
 
 def _garden(rng: random.Random) -> Problem:
     x, y = rng.sample(_FLOWERS, 2)
-    a, b, c, d, e = _f(rng), _f(rng), _f(rng), _f(rng), _d(rng)
+    a, b, c, d, e = (_d(rng) for _ in range(5))
     q = f"A garden has {a} rows of {b} {x} and {c} rows of {d} {y}. {e} flowers are picked. How many flowers are left?"
     return Problem(
         q,
         (
-            Step(f"The {x} are {_EQ}.", "*", a, b),
-            Step(f"The {y} are {_EQ}.", "*", c, d),
-            Step(f"In all there are {_EQ}.", "+", Ref(0), Ref(1)),
-            Step(f"After picking, there are {_EQ}.", "-", Ref(2), e),
+            Step(f"There are {_EQ} {x}.", "*", a, b),
+            Step(f"There are {_EQ} {y}.", "*", c, d),
+            Step(f"There are {_EQ} flowers in all.", "+", Ref(0), Ref(1)),
+            Step(f"After picking, {_EQ} flowers are left.", "-", Ref(2), e),
         ),
     )
 
 
-# Solution lengths (with the answer step): 2, 3, 3, 3, 4, 3, 3, 4, 4, 4, 4, 5, 5. Most
-# equations are additions or subtractions of single digits; products are at most 5 * 5.
+# Solution lengths (with the answer step): 2, 3, 3, 3, 4, 4, 4, 4, 5, 5.
 _TEMPLATES: list[Callable[[random.Random], Problem]] = [
     _shop_one,
     _gain_lose,
-    _bus,
-    _reading,
-    _find_lose,
     _boxes_take,
     _share,
     _shop_two,
@@ -347,28 +295,28 @@ _TEMPLATES: list[Callable[[random.Random], Problem]] = [
 SEED_PROBLEM = Problem(
     "Tony buys 3 kg of cheese at 4 dollars per kg and 2 kg of beef at 5 dollars per kg. How much does he pay?",
     (
-        Step("Cheese costs {a} * {b} = {c}.", "*", 3, 4),
-        Step("Beef costs {a} * {b} = {c}.", "*", 2, 5),
-        Step("In total he pays {a} + {b} = {c}.", "+", Ref(0), Ref(1)),
+        Step("Cheese costs {a} * {b} = {c} dollars.", "*", 3, 4),
+        Step("Beef costs {a} * {b} = {c} dollars.", "*", 2, 5),
+        Step("In total he pays {a} + {b} = {c} dollars.", "+", Ref(0), Ref(1)),
     ),
 )
-SEED_ERROR = Error("result", 2, 1, 0)  # "12 + 10 = 23": labels + + - -
+SEED_ERROR = Error("result", 2, 1)  # "12 + 10 = 23": labels + + - -
 
 
 def _render(problem: Problem, error: Error | None) -> tuple[list[str], list[str], int] | None:
     """Steps, labels and the shown final answer; None if a number leaves [0, MAX_VALUE], a
     division is not exact, or the error would not be visible in the text."""
-    given = _numbers(problem.question)
     shown: list[int] = []
     texts: list[str] = []
     for i, step in enumerate(problem.steps):
-        operands = [shown[x.step] if isinstance(x, Ref) else x for x in (step.left, step.right)]
-        if error and error.kind == "operand" and error.step == i:
-            operands[error.side] += error.delta
-            # The wrong copy must be visibly wrong: no question number, no earlier result.
-            if operands[error.side] in given or operands[error.side] in shown:
+        a, b = (shown[x.step] if isinstance(x, Ref) else x for x in (step.left, step.right))
+        if error and error.kind == "carry" and error.step == i:
+            if not isinstance(step.left, Ref) or step.op == "/":
                 return None
-        a, b = operands
+            a += error.delta
+            # The wrong copy must be visibly wrong: no question number, no earlier result.
+            if a in _numbers(problem.question) or a in shown:
+                return None
         c = _OPS[step.op](a, b)
         if c is None:
             return None
@@ -395,13 +343,13 @@ def _numbers(text: str) -> set[int]:
 
 
 def _random_error(rng: random.Random, problem: Problem) -> Error:
-    delta = rng.choice([d for d in range(-MAX_DELTA, MAX_DELTA + 1) if d])
-    r = rng.random()
-    if r < P_ANSWER_ERROR:
-        return Error("answer", len(problem.steps), delta, 0)
+    delta = rng.choice([-3, -2, -1, 1, 2, 3])
+    if rng.random() < P_ANSWER_ERROR:
+        return Error("answer", len(problem.steps), delta)
     step = rng.randrange(len(problem.steps))
-    kind = "operand" if r < P_ANSWER_ERROR + P_OPERAND_ERROR else "result"
-    return Error(kind, step, delta, rng.randrange(2))
+    can_carry = isinstance(problem.steps[step].left, Ref) and problem.steps[step].op != "/"
+    kind = "carry" if can_carry and rng.random() < P_CARRY_ERROR else "result"
+    return Error(kind, step, delta)
 
 
 def _solve(rng: random.Random, problem: Problem, wrong: bool) -> tuple[list[str], list[str], int, Error | None] | None:
