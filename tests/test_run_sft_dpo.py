@@ -291,7 +291,7 @@ def test_torchrun_two_processes_equal_one_process_double_batch(tmp_path):
     dpo_main([config(tmp_path, "dpo_argument.json", output_dir=str(one), per_device_train_batch_size=2, **common)])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     cfg = config(tmp_path, "dpo_argument.json", output_dir=str(two), per_device_train_batch_size=1, **common)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone"]
     proc = subprocess.run(
         [*launcher, os.path.join(ROOT, "llm", "run_dpo.py"), cfg],
         env=env,
