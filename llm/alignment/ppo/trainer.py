@@ -263,7 +263,7 @@ class PPOTrainer:
                     totals["clipfrac"] += out.clipfrac.item() * share.item()
                     totals["approx_kl"] += out.approx_kl.item() * share.item()
                     totals["entropy"] += ent.item()
-                    totals["kl_loss"] += float(kl_loss)
+                    totals["kl_loss"] += float(kl_loss.detach())
                 totals["abs_policy_loss"] = abs(totals["policy_loss"])
                 self.actor_optim.step()
                 for k, values in stats.items():
