@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     k = max(1, len(history) // 5)
     start = sum(h["score"] for h in history[:k]) / k
     end = sum(h["score"] for h in history[-k:]) / k
-    compare = compare_policies(sft_dir, ppo_dir, rm_dir, held_out, 48)
+    compare = compare_policies(sft_dir, os.path.join(ppo_dir, "actor"), rm_dir, held_out, 48)
     report = {
         "sft_eval_loss_before": before["eval_loss"],
         "sft_eval_loss_after": after["eval_loss"],
