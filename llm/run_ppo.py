@@ -3,6 +3,7 @@
 python llm/run_ppo.py llm/config/tiny/ppo_argument.json [--section.field value ...]
 """
 
+import logging
 import os
 import sys
 
@@ -12,12 +13,11 @@ from llm.alignment.ppo.build import build_ppo
 from llm.alignment.ppo.config import parse_ppo_config
 from llm.utils.checkpoints import latest_checkpoint
 from llm.utils.errors import run_cli
+from llm.utils.logging import configure_logging
 
 
 def main(argv: list[str] | None = None) -> None:
-    import logging
-
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO, force=True)
+    configure_logging(logging.INFO)
     config = parse_ppo_config(sys.argv[1:] if argv is None else argv)
     trainer = build_ppo(config)
     resume = latest_checkpoint(config.training.resume_from_checkpoint, config.training.output_dir)
