@@ -7,6 +7,7 @@ import os
 import pytest
 
 from llm.utils.arguments import DataArgument, ModelArgument, TrainingArguments, parse_arguments, validate_arguments
+from llm.utils.distributed import parse_layout
 from llm.utils.errors import UserError
 from tests.helpers import ROOT
 
@@ -87,12 +88,17 @@ def test_bad_json_is_one_clear_error(tmp_path):
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"tensor_parallel_degree": 4}, "tensor_parallel_degree=4 cannot take effect"),
+        (
+            {"tensor_parallel_degree": 4},
+            r"tensor_parallel_degree=4 must be >= 1 and divide the number of processes \(1\)",
+        ),
         ({"virtual_pp_degree": 2}, "virtual_pp_degree"),
         ({"recompute": True, "recompute_granularity": "core_attn"}, "recompute_granularity='core_attn'"),
         ({"use_flash_attention": True}, "use_flash_attention needs a CUDA device"),
         ({"fp16_opt_level": "O2"}, "'O2' .* needs bf16 or fp16"),
-        ({"sharding": "stage2", "sharding_parallel_degree": 4}, "not wired to FSDP yet"),
+        ({"sharding": "stage2", "sharding_parallel_degree": 4}, "sharding_parallel_degree=4 must divide"),
+        ({"sharding_parallel_degree": 2}, "sharding_parallel_degree=2 needs sharding set"),
+        ({"sharding": "offload"}, "'offload' needs a stage"),
         ({"sharding": "stage9"}, "sharding: unknown value"),
         ({"fp16_opt_level": "O3"}, "fp16_opt_level must be"),
         ({"overlong_policy": "drop"}, "overlong_policy must be"),
@@ -109,6 +115,24 @@ def test_stage1_on_one_process_runs(tmp_path):
     # PaddleNLP's own example configs set stage1; with one process it is a group of one.
     model_args, data_args, training_args = parse(tmp_path, sharding="stage1")
     validate_arguments(model_args, data_args, training_args)
+
+
+@pytest.mark.parametrize(
+    "world, sharding, degree, tp, expected",
+    [
+        # (tp, shard, stage, offload, replicate, dp)
+        (2, "", -1, 1, (1, 1, 0, False, 2, 2)),  # plain data parallel
+        (2, "stage1", 1, 1, (1, 1, 0, False, 2, 2)),  # a sharding group of one: data parallel
+        (2, "stage3 offload", -1, 1, (1, 2, 3, True, 1, 2)),
+        (8, "stage1,stage2", 2, 2, (2, 2, 2, False, 2, 4)),  # HSDP: 2 replicas of 2-way FSDP, each rank TP 2
+        (4, "stage3", -1, 2, (2, 2, 3, False, 1, 2)),  # the 2 x 2 mesh
+        (2, "", -1, 2, (2, 1, 0, False, 1, 1)),
+    ],
+)
+def test_parallel_layout(world, sharding, degree, tp, expected):
+    layout = parse_layout(sharding, degree, tp, world)
+    assert (layout.tp, layout.shard, layout.stage, layout.offload, layout.replicate, layout.dp) == expected
+    assert layout.replicate * layout.shard * layout.tp == world
 
 
 def test_benchmark_mode_turns_off_eval_and_saving(tmp_path):

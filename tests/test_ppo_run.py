@@ -236,7 +236,9 @@ def test_prm_dense_rewards_land_on_each_steps_last_token():
     text = "Cheese costs 3 * 4 = 12 dollars.\nThe answer is 12."
     response_ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     # Samples carry the prompt as the actor saw it (decoded from its rendered ids, trailing newline included).
-    s = Samples([tok("How much?\n")["input_ids"]], [response_ids], ["How much?\n"], [text], ["12"], torch.tensor([True]))
+    s = Samples(
+        [tok("How much?\n")["input_ids"]], [response_ids], ["How much?\n"], [text], ["12"], torch.tensor([True])
+    )
     reward = PRMReward(prm, tok, tok, "\n", "ки", (plus, minus), ph, "dense", 4)
     out = reward.score(s)
     nonzero = out.dense[0].nonzero().flatten().tolist()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -30,6 +31,13 @@ def readout_hidden(model: torch.nn.Module, batch: PackedBatch, causal_lm: bool) 
     out = model(**batch.model_inputs(), output_hidden_states=True, **extra)
     hidden = out.hidden_states[-1]
     return hidden.reshape(-1, hidden.shape[-1])[batch.readout_index]
+
+
+def full_weight(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A head's weight or bias as one plain tensor. Under tensor parallelism the LM head is split over the
+    vocabulary (a DTensor); readouts are few, so gathering it (differentiably) costs what one rank holds
+    without tensor parallelism, and the head math below stays one implementation."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 READOUT_CHUNK = 1024  # readouts per LM-head block: 1024 x 128k vocab x 4 bytes = 512 MB of fp32 logits
@@ -71,7 +79,7 @@ def token_log_probs(
 ) -> torch.Tensor:
     """``(N,)`` log-probability of each readout target; ``model`` may be DDP-wrapped, ``head`` is its LM head."""
     hidden = readout_hidden(model, batch, causal_lm=True)
-    return readout_log_probs(hidden, batch.readout_target, head.weight, head.bias, chunk_size)
+    return readout_log_probs(hidden, batch.readout_target, full_weight(head.weight), full_weight(head.bias), chunk_size)
 
 
 def per_example_sums(values: torch.Tensor, batch: PackedBatch, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -104,6 +112,7 @@ def load_causal_lm(
         seed=training_args.seed,
         dtype=weights_dtype(training_args),
         pad_token_id=tokenizer.pad_token_id,
+        layout=training_args.layout,
     )
     vocab = model.get_output_embeddings().weight.shape[0]
     if len(tokenizer) > vocab:

@@ -5,23 +5,40 @@ What it adds to ``Trainer``:
   optimizer step (all micro-batches, all ranks), so accumulation 4 x 1 == batch 4 == 2 ranks x 2;
 - throughput logging in real (non-pad) tokens, and the pad ratio;
 - ``evaluate`` computes metrics over per-example outputs gathered from all ranks and can return
-  those per-example scores.
+  those per-example scores;
+- the parallel layout of ``llm.utils.distributed`` (FSDP2 / tensor parallel models placed by
+  transformers) and a checkpoint that resumes under any layout: model and optimizer state in
+  torch.distributed.checkpoint files (``checkpoint-N/sharded_state``), plus, with
+  ``unified_checkpoint``, the model as one Hugging Face safetensors file.
 Subclasses implement ``forward_items``, ``count_items``, ``example_outputs`` and ``metrics``.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from accelerate.optimizer import AcceleratedOptimizer
 from transformers import Trainer
+from transformers.trainer import SCHEDULER_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from llm.data.packing import PackedBatch
+from llm.utils.distributed import (
+    SHARDED_STATE_DIR,
+    load_sharded_state,
+    save_sharded_state,
+    tensor_parallel_on_cpu,
+)
 from llm.utils.preemption import SaveOnSignal
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -42,7 +59,15 @@ def _gather_objects(obj: list) -> list:
 
 class AlignmentTrainer(Trainer):
     def __init__(self, *args, **kwargs) -> None:
+        training_args = kwargs["args"]
+        self.layout = training_args.layout
+        # Optimizer state, scheduler and RNG go into the sharded checkpoint written by _save_checkpoint
+        # below, for every layout; transformers only saves the model (it refuses to checkpoint the
+        # optimizer of a model placed by DistributedConfig at all).
+        self._save_training_state = not training_args.save_only_model
+        training_args.save_only_model = True
         super().__init__(*args, **kwargs)
+        logger.info("parallel layout: %s", self.layout.describe())
         # Our compute_loss already divides by the global item count of the whole optimizer step.
         self.loss_is_scaled_for_ga = True
         self._sums: dict[str, float] = defaultdict(float)
@@ -76,6 +101,10 @@ class AlignmentTrainer(Trainer):
         raise NotImplementedError(f"{type(self).__name__}: map its {num_items} loss items to examples")
 
     # --- Trainer hooks ------------------------------------------------------------------------
+    def create_accelerator_and_postprocess(self) -> None:
+        with tensor_parallel_on_cpu(self.layout):
+            super().create_accelerator_and_postprocess()
+
     def _prepare_inputs(self, inputs: PackedBatch) -> PackedBatch:
         return inputs.to(self.args.device)
 
@@ -125,7 +154,45 @@ class AlignmentTrainer(Trainer):
         values = torch.tensor([self._sums[k] for k in keys], dtype=torch.float64)
         if dist.is_available() and dist.is_initialized() and self.args.world_size > 1:
             dist.all_reduce(values)
+            values /= self.layout.tp  # the ranks of a tensor-parallel group see the same batch
         return dict(zip(keys, values.tolist()))
+
+    # --- checkpoints ----------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        # Inside checkpoints the Hugging Face copy of the model is optional (unified_checkpoint); the final
+        # save_model(output_dir) always writes it. Resuming reads the sharded state either way.
+        if _internal_call and not self.args.unified_checkpoint:
+            return
+        super().save_model(output_dir, _internal_call)
+
+    def _raw_optimizer(self) -> torch.optim.Optimizer:
+        opt = self.optimizer
+        return opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt
+
+    def _save_checkpoint(self, model, trial) -> None:
+        # The training state first, the model and trainer_state.json last: a checkpoint directory that
+        # holds trainer_state.json is complete.
+        if self._save_training_state:
+            output_dir = os.path.join(
+                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            )
+            save_sharded_state(os.path.join(output_dir, SHARDED_STATE_DIR), self.model, self._raw_optimizer())
+            if self.args.should_save:
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            self._save_rng_state(output_dir)
+        super()._save_checkpoint(model, trial)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        sharded = os.path.join(resume_from_checkpoint, SHARDED_STATE_DIR)
+        if not os.path.isdir(sharded):  # a checkpoint written by plain transformers
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_sharded_state(sharded, self.model, None)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not os.path.isdir(os.path.join(checkpoint, SHARDED_STATE_DIR)):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        load_sharded_state(os.path.join(checkpoint, SHARDED_STATE_DIR), self.model, self._raw_optimizer())
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
     # --- evaluation ---------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:

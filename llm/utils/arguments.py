@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +17,7 @@ import torch
 import transformers
 from transformers import HfArgumentParser
 
+from llm.utils.distributed import Layout, has_accelerator, parse_layout
 from llm.utils.errors import UserError, closest
 
 
@@ -99,14 +99,6 @@ class DataArgument:
         return "sequential" if self.zero_padding else None
 
 
-SHARDING_WORDS = ("stage1", "stage2", "stage3", "offload")
-
-
-def _has_accelerator() -> bool:
-    npu = getattr(torch, "npu", None)
-    return torch.cuda.is_available() or torch.backends.mps.is_available() or bool(npu and npu.is_available())
-
-
 @dataclass
 class TrainingArguments(transformers.TrainingArguments):
     report_to: None | str | list[str] = field(
@@ -119,11 +111,16 @@ class TrainingArguments(transformers.TrainingArguments):
     fp16_opt_level: str = field(
         default="O1", metadata={"help": "O1: autocast mixed precision; O2: half-precision weights."}
     )
-    tensor_parallel_degree: int = field(default=1, metadata={"help": "Tensor parallel degree."})
-    sharding_parallel_degree: int = field(default=1, metadata={"help": "Processes in a sharding group (-1 = all)."})
+    tensor_parallel_degree: int = field(
+        default=1, metadata={"help": "Processes per tensor-parallel group (DTensor, the model's tp_plan)."}
+    )
+    sharding_parallel_degree: int = field(
+        default=-1,
+        metadata={"help": "Processes per FSDP2 sharding group; -1: all data-parallel processes (HSDP when smaller)."},
+    )
     sharding: str = field(
         default="",
-        metadata={"help": "stage1 | stage2 | stage3 [offload]: FSDP-style sharding of optimizer/grads/params."},
+        metadata={"help": "stage1 | stage2 | stage3 [offload]: FSDP2 sharding of optimizer state/grads/params."},
     )
     recompute: bool = field(default=False, metadata={"help": "Activation checkpointing."})
     unified_checkpoint: bool = field(
@@ -152,7 +149,7 @@ class TrainingArguments(transformers.TrainingArguments):
         if self.recompute:
             self.activation_checkpointing = True
             self.activation_checkpointing_kwargs = {"use_reentrant": False}
-        if not _has_accelerator():
+        if not has_accelerator():
             # bf16 autocast works on CPU; HF refuses it unless told it is a CPU run.
             self.use_cpu = True
         # Our collators build typed packed batches; HF must not drop "unused" columns.
@@ -163,16 +160,9 @@ class TrainingArguments(transformers.TrainingArguments):
             raise UserError(str(err)) from None
 
     @property
-    def sharding_stages(self) -> list[str]:
-        words = self.sharding.replace(",", " ").split()
-        bad = [w for w in words if w not in SHARDING_WORDS]
-        if bad:
-            raise UserError(f"sharding: unknown value(s) {bad}; use stage1, stage2 or stage3, optionally with offload")
-        return words
-
-
-def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    def layout(self) -> Layout:
+        """How the processes split into data-parallel replicas, FSDP2 shard groups and tensor-parallel groups."""
+        return parse_layout(self.sharding, self.sharding_parallel_degree, self.tensor_parallel_degree)
 
 
 def validate_arguments(model_args: ModelArgument, data_args: DataArgument, training_args: TrainingArguments) -> None:
@@ -204,21 +194,12 @@ def validate_arguments(model_args: ModelArgument, data_args: DataArgument, train
         raise UserError("fp16_opt_level 'O2' (half-precision weights) needs bf16 or fp16 set to true")
     if training_args.fp16 and not torch.cuda.is_available():
         raise UserError("fp16 needs a CUDA device; on CPU use bf16 instead")
-    ws = world_size()
-    if training_args.tensor_parallel_degree != 1:
+    layout = training_args.layout  # validates sharding / degrees against the world size
+    if layout.native and data_args.lazy:
         raise UserError(
-            f"tensor_parallel_degree={training_args.tensor_parallel_degree} cannot take effect in this build "
-            f"(world size {ws}; tensor parallelism is not wired yet): set it to 1"
+            "lazy streaming with sharding or tensor_parallel_degree is not available: streamed batches are not "
+            "split by data-parallel rank; set lazy false or run data parallel"
         )
-    stages = training_args.sharding_stages
-    shard_degree = training_args.sharding_parallel_degree
-    if stages and (ws > 1 or shard_degree not in (1, -1)):
-        raise UserError(
-            f"sharding={training_args.sharding!r} across {ws} processes (sharding_parallel_degree={shard_degree}) "
-            "is not wired to FSDP yet: remove 'sharding' to run data parallel, or run one process"
-        )
-    if not stages and shard_degree not in (1, -1):
-        raise UserError("sharding_parallel_degree > 1 needs sharding set (stage1, stage2 or stage3)")
     if data_args.dataset_probs and not data_args.train_dataset_path:
         raise UserError("dataset_probs needs train_dataset_path with several comma-separated files")
     if data_args.lazy and training_args.max_steps <= 0 and training_args.do_train:

@@ -10,6 +10,7 @@ import transformers
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from llm.utils.attention import PACKED_SDPA
+from llm.utils.distributed import Layout, distributed_config, place_model
 from llm.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -59,12 +60,16 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = PACKED_SDPA,
     pad_token_id: int | None = None,
+    layout: Layout | None = None,
     **config_overrides,
 ) -> PreTrainedModel:
     """Load ``auto_class`` (AutoModelForCausalLM, AutoModelForSequenceClassification...) from ``path``.
 
     With ``init_from_config`` the weights are random, seeded, built from ``path/config.json``.
+    ``layout`` (FSDP2 sharding / tensor parallel) places the model across the processes: every rank
+    reads only its own shard of a checkpoint.
     """
+    parallel = distributed_config(layout) if layout is not None else None
     if not os.path.isdir(path) and not init_from_config and "/" not in path:
         raise UserError(f"model_name_or_path {path!r}: no such directory")
     try:
@@ -87,7 +92,20 @@ def load_model(
                 f"model_name_or_path {path}: no weights found ({', '.join(WEIGHT_FILES)}); "
                 "for a random tiny model set init_from_config true"
             )
-        model = auto_class.from_pretrained(path, config=config, attn_implementation=attn_implementation, dtype=dtype)
+        extra = {"distributed_config": parallel} if parallel is not None else {}
+        try:
+            model = auto_class.from_pretrained(
+                path, config=config, attn_implementation=attn_implementation, dtype=dtype, **extra
+            )
+        except ValueError as err:
+            if parallel is None:
+                raise
+            raise UserError(f"{path}: cannot shard {config.model_type} as {layout.describe()}: {err}") from None
+    if layout is not None and layout.native:
+        try:
+            model = place_model(model, layout, parallel)
+        except ValueError as err:
+            raise UserError(f"{path}: cannot shard {config.model_type} as {layout.describe()}: {err}") from None
     if not getattr(model, "_supports_attention_backend", False):
         raise UserError(
             f"model_type {config.model_type!r} does not route attention through transformers' AttentionInterface, "

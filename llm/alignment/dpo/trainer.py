@@ -11,6 +11,7 @@ with ``with_reference_log_probs``), from the frozen ``ref_model`` on the fly, or
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -166,15 +167,22 @@ class DPOTrainer(AlignmentTrainer):
         model = self.ref_model if self.ref_model is not None else self.model
         was_training = model.training
         model.eval()
-        rank, world = self.args.process_index, self.args.world_size
+        # Data-parallel ranks share the chunks. Under FSDP2 / tensor parallelism every forward is a collective:
+        # the ranks of a tensor-parallel group run the same chunk, and a rank left without one runs a spare
+        # forward so that all ranks make the same number of calls.
+        dp, dp_rank = self.layout.dp, self.args.process_index // self.layout.tp
+        starts = list(range(0, len(rows), batch_size))
         done = []
         with torch.no_grad(), self.compute_loss_context_manager():
-            for k, start in enumerate(range(0, len(rows), batch_size)):
-                if k % world != rank:
-                    continue
+            for k in range(dp_rank, dp * math.ceil(len(starts) / dp), dp):
+                if k >= len(starts) and not self.layout.native:
+                    break
+                start = starts[k] if k < len(starts) else 0
                 chunk = rows[start : start + batch_size]
                 batch = self.data_collator(chunk).to(self.args.device)
                 ref, _ = self.pair_log_probs(model, model.get_output_embeddings(), batch)
+                if k >= len(starts):
+                    continue  # the spare forward
                 c, r = ref.chosen.tolist(), ref.rejected.tolist()
                 for i, row in enumerate(chunk):
                     first = sum(len(x.records) for x in chunk[:i])

@@ -83,6 +83,7 @@ def build_reward_model(model_args: ModelArgument, training_args: TrainingArgumen
             seed=training_args.seed,
             dtype=dtype,
             pad_token_id=tokenizer.pad_token_id,
+            layout=training_args.layout,
         )
         tokens = reward_tokens(model_args)
         ids = (
@@ -103,6 +104,7 @@ def build_reward_model(model_args: ModelArgument, training_args: TrainingArgumen
         dtype=dtype,
         pad_token_id=tokenizer.pad_token_id,
         num_labels=1,
+        layout=training_args.layout,
     )
     if not hasattr(model, "score"):
         raise UserError(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from llm.alignment.lm import check_packed_attention, readout_hidden
+from llm.alignment.lm import check_packed_attention, full_weight, readout_hidden
 from llm.alignment.rm.loss import pairwise_loss, step_loss, step_scores
 from llm.alignment.trainer import AlignmentTrainer, ItemOutputs
 from llm.data.packing import PackedBatch
@@ -41,8 +41,9 @@ class RewardTrainer(AlignmentTrainer):
         hidden = readout_hidden(model, batch, causal_lm=self.process_reward)
         if self.process_reward:
             head = self.model.get_output_embeddings()
-            bias = head.bias[self.reward_token_ids] if head.bias is not None else None
-            logits = F.linear(hidden, head.weight[self.reward_token_ids], bias)
+            weight, bias = full_weight(head.weight), full_weight(head.bias)
+            bias = bias[self.reward_token_ids] if bias is not None else None
+            logits = F.linear(hidden, weight[self.reward_token_ids], bias)
             loss = step_loss(logits, batch.readout_target)
             return ItemOutputs(loss, {"score": step_scores(logits).detach(), "logits": logits.detach()})
         scores = self.model.score(hidden).squeeze(-1).float()

@@ -1,0 +1,252 @@
+"""Paddle-style parallel fields -> PyTorch's own engines, and the layout-independent checkpoint.
+
+Layout of ``WORLD_SIZE`` processes (torchrun), innermost dimension last::
+
+    world = replicate x shard x tp
+            |           |       '-- tensor_parallel_degree: DTensor tensor parallelism (the model's tp_plan)
+            |           '---------- sharding_parallel_degree: FSDP2 (fully_shard) group
+            '---------------------- data-parallel replicas of that group (DDP, or HSDP with sharding)
+
+Every process of one tensor-parallel group reads the same batch; the data-parallel degree is
+``replicate x shard``. Models are placed by transformers' native ``DistributedConfig`` (FSDP2 and
+tensor parallelism applied at load time, each rank reading only its shard), plain data parallel by
+``Trainer``'s DDP. Paddle's sharding stages map onto FSDP2 as:
+
+    stage1, stage2 -> parameters all-gathered once per step and kept until backward
+                      (``reshard_after_forward=False``); gradients and optimizer state sharded.
+                      FSDP2 has no optimizer-only mode, so stage1 runs as stage2 (it saves more memory).
+    stage3         -> parameters resharded after forward and gathered again for backward.
+    offload        -> FSDP2 ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer step on CPU.
+
+The checkpoint (``save_sharded_state`` / ``load_sharded_state``) is ``torch.distributed.checkpoint``:
+every rank writes its own shards in parallel, keyed by parameter name and global shape, so a run saved
+under one layout (2-way sharding, tensor parallel, DDP) resumes under any other (one process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from llm.utils.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+SHARDING_WORDS = ("stage1", "stage2", "stage3", "offload")
+SHARDED_STATE_DIR = "sharded_state"  # inside checkpoint-N/: torch.distributed.checkpoint files
+
+
+def has_accelerator() -> bool:
+    npu = getattr(torch, "npu", None)  # torch_npu registers torch.npu when it is installed
+    return torch.cuda.is_available() or torch.backends.mps.is_available() or bool(npu and npu.is_available())
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def backend() -> str:
+    """Collective backend for this machine: NCCL on CUDA, HCCL with torch_npu, gloo on CPU."""
+    if torch.cuda.is_available():
+        return "nccl"
+    npu = getattr(torch, "npu", None)
+    if npu is not None and npu.is_available():
+        return "hccl"
+    return "gloo"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How ``world`` processes split into data-parallel replicas, FSDP2 shard groups and tensor-parallel groups."""
+
+    world: int
+    tp: int = 1
+    shard: int = 1
+    stage: int = 0  # 0: no sharding; 1, 2, 3: Paddle sharding stage
+    offload: bool = False
+
+    @property
+    def replicate(self) -> int:
+        return self.world // (self.tp * self.shard)
+
+    @property
+    def dp(self) -> int:
+        """Processes that read distinct batches."""
+        return self.world // self.tp
+
+    @property
+    def native(self) -> bool:
+        """True when transformers places the model (FSDP2 and/or tensor parallel); False: plain DDP or one process."""
+        return self.tp > 1 or self.shard > 1
+
+    def describe(self) -> str:
+        parts = [f"{self.world} process(es)"]
+        if self.tp > 1:
+            parts.append(f"tensor parallel {self.tp}")
+        if self.shard > 1:
+            offload = ", CPU offload" if self.offload else ""
+            parts.append(f"FSDP2 stage{self.stage} over {self.shard}{offload}")
+        if self.replicate > 1:
+            parts.append(f"{self.replicate} data-parallel replica(s)")
+        return "; ".join(parts)
+
+
+def parse_layout(
+    sharding: str, sharding_parallel_degree: int, tensor_parallel_degree: int, world: int | None = None
+) -> Layout:
+    """Validate the Paddle fields against the world size; every problem names the field and the fix."""
+    world = world_size() if world is None else world
+    words = sharding.replace(",", " ").split()
+    bad = [w for w in words if w not in SHARDING_WORDS]
+    if bad:
+        raise UserError(f"sharding: unknown value(s) {bad}; use stage1, stage2 or stage3, optionally with offload")
+    stages = [int(w[-1]) for w in words if w.startswith("stage")]
+    if "offload" in words and not stages:
+        raise UserError("sharding: 'offload' needs a stage, e.g. 'stage3 offload'")
+    tp = tensor_parallel_degree
+    if tp < 1 or world % tp:
+        raise UserError(
+            f"tensor_parallel_degree={tp} must be >= 1 and divide the number of processes ({world}): "
+            f"launch with torchrun --nproc_per_node {max(tp, 1)} (or a multiple), or set it to 1"
+        )
+    degree = sharding_parallel_degree
+    if not stages:
+        if degree not in (1, -1):
+            raise UserError(
+                f"sharding_parallel_degree={degree} needs sharding set (stage1, stage2 or stage3): "
+                "set sharding, or set sharding_parallel_degree to -1"
+            )
+        return Layout(world, tp)
+    if degree == -1:
+        degree = world // tp
+    if degree < 1 or (world // tp) % degree:
+        raise UserError(
+            f"sharding_parallel_degree={sharding_parallel_degree} must divide the data-parallel size "
+            f"{world // tp} (= {world} processes / tensor_parallel_degree {tp}); -1 uses all of them"
+        )
+    if degree == 1:
+        logger.info("sharding=%r with a group of one process: nothing to shard, runs data parallel", sharding)
+        return Layout(world, tp)
+    return Layout(world, tp, degree, max(stages), "offload" in words)
+
+
+def distributed_config(layout: Layout):
+    """transformers' ``DistributedConfig`` for a layout that needs native placement, else None."""
+    if not layout.native:
+        return None
+    from transformers.distributed import DistributedConfig
+
+    # CPUOffloadPolicy pins host memory, which needs an accelerator; on a CPU-only machine the sharded
+    # parameters and optimizer state live in host memory already, so offloading has nothing to move.
+    offload = layout.offload and has_accelerator()
+    if layout.offload and not offload:
+        logger.info("sharding 'offload' on a CPU-only machine: parameters and optimizer state are in host memory")
+    return DistributedConfig(
+        tp_size=layout.tp,
+        fsdp_size=layout.shard,
+        dp_replicate_size=layout.replicate if layout.shard > 1 else 1,
+        fsdp_cpu_offload=offload,
+    )
+
+
+def place_model(model: torch.nn.Module, layout: Layout, config) -> torch.nn.Module:
+    """Shard an already built model (random weights from a config) the way ``from_pretrained`` would,
+    then apply the stage's resharding rule. ``config`` is ``distributed_config(layout)``."""
+    if config is not None and not getattr(model, "is_distributed_loading_by_transformers", False):
+        config, _, mesh = type(model).prepare_distribute_model(config)
+        model = type(model).maybe_distribute_model(model, config, mesh)
+    if layout.shard > 1 and layout.stage < 3:
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_reshard_after_forward(False, recurse=False)
+    return model
+
+
+@contextlib.contextmanager
+def tensor_parallel_on_cpu(layout: Layout):
+    """Let accelerate accept a tensor-parallel model on CPU processes (gloo).
+
+    accelerate's ``ParallelismConfig`` check lists the accelerator device types only and refuses
+    ``MULTI_CPU``, although DTensor tensor parallelism runs on gloo and the same data-parallel
+    bookkeeping applies. Within this block the check sees a multi-device run; nothing else changes.
+    """
+    if layout.tp == 1 or has_accelerator():
+        yield
+        return
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DistributedType
+
+    original = ParallelismConfig._validate_accelerator
+
+    def validate(self, accelerator):
+        state = accelerator.state
+        kind = state.distributed_type
+        state.distributed_type = DistributedType.MULTI_GPU if kind == DistributedType.MULTI_CPU else kind
+        try:
+            original(self, accelerator)
+        finally:
+            state.distributed_type = kind
+
+    ParallelismConfig._validate_accelerator = validate
+    try:
+        yield
+    finally:
+        ParallelismConfig._validate_accelerator = original
+
+
+# --- the layout-independent sharded checkpoint -------------------------------------------------
+
+
+# Sharded (DTensor) entries stay sharded: each rank writes and reads only its own pieces.
+_OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
+
+
+def save_sharded_state(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Write model and optimizer state to ``directory`` with torch.distributed.checkpoint (all ranks call it)."""
+    state = {"model": get_model_state_dict(model, options=_OPTIONS)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=_OPTIONS)
+    with _single_process_is_intended():
+        dcp.save(state, checkpoint_id=directory, no_dist=not _distributed())
+
+
+def load_sharded_state(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Read what ``save_sharded_state`` wrote, resharded to this run's layout (any number of processes)."""
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model, options=_OPTIONS)}
+        with _single_process_is_intended():
+            dcp.load(state, checkpoint_id=directory, no_dist=not _distributed())
+        set_model_state_dict(model, state["model"], options=_OPTIONS)
+        return
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer, options=_OPTIONS)}
+    with _single_process_is_intended():
+        dcp.load(state, checkpoint_id=directory, no_dist=not _distributed())
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=_OPTIONS)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _single_process_is_intended():
+    """One process reads or writes the whole checkpoint; DCP warns about that on every call."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
