@@ -93,7 +93,7 @@ def test_bad_json_is_one_clear_error(tmp_path):
             r"tensor_parallel_degree=4 must be >= 1 and divide the number of processes \(1\)",
         ),
         ({"virtual_pp_degree": 2}, "virtual_pp_degree"),
-        ({"recompute": True, "recompute_granularity": "core_attn"}, "recompute_granularity='core_attn'"),
+        ({"recompute_granularity": "attn"}, "recompute_granularity must be full, full_attn or core_attn"),
         ({"use_flash_attention": True}, "use_flash_attention needs a CUDA device"),
         ({"fp16_opt_level": "O2"}, "'O2' .* needs bf16 or fp16"),
         ({"sharding": "stage2", "sharding_parallel_degree": 4}, "sharding_parallel_degree=4 must divide"),
@@ -109,6 +109,17 @@ def test_fields_that_cannot_take_effect_stop_the_run(tmp_path, fields, message):
     with pytest.raises(UserError, match=message):
         model_args, data_args, training_args = parse(tmp_path, **fields)
         validate_arguments(model_args, data_args, training_args)
+
+
+@pytest.mark.parametrize("granularity, per_layer", [("full", True), ("full_attn", False), ("core_attn", False)])
+def test_recompute_granularity(tmp_path, granularity, per_layer):
+    from llm.utils.arguments import recompute_mode
+
+    model_args, data_args, training_args = parse(tmp_path, recompute=True, recompute_granularity=granularity)
+    validate_arguments(model_args, data_args, training_args)
+    # full: transformers checkpoints each decoder layer; finer ones are applied to the attention blocks at load
+    assert training_args.activation_checkpointing is per_layer
+    assert recompute_mode(model_args, training_args) == (None if per_layer else granularity)
 
 
 def test_stage1_on_one_process_runs(tmp_path):

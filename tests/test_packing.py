@@ -284,3 +284,40 @@ def test_streamed_rows_equal_eager_packing():
     # A small buffer still keeps every example exactly once.
     small = list(StreamedRows(lambda: iter(examples), 64, "greedy", buffer=7))
     assert sorted(rec for r in small for rec in r.records) == list(range(50))
+
+
+@pytest.mark.parametrize("granularity", ["full_attn", "core_attn"])
+def test_recompute_granularity_keeps_gradients_and_recomputes(granularity, monkeypatch):
+    """recompute_granularity below a whole layer: same loss and gradients as no recompute, and backward
+    really runs the attention block (full_attn) or only the attention kernel (core_attn) a second time."""
+    import llm.utils.attention as attention
+    from llm.utils.modeling import enable_recompute
+
+    gen = torch.Generator().manual_seed(3)
+    examples = [causal_example(e.input_ids, [], []) for e in make_examples(gen)[0][:-1]]
+    plain = tiny_model("llama")
+    recomputed = twin(plain, "packed_sdpa")
+    enable_recompute(recomputed, granularity)
+    calls = {"kernel": 0, "q_proj": 0}
+    kernel = attention.blockwise_sdpa
+
+    def counting_kernel(*args, **kwargs):
+        calls["kernel"] += 1
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "blockwise_sdpa", counting_kernel)
+    for layer in recomputed.model.layers:
+        layer.self_attn.q_proj.register_forward_hook(lambda *_: calls.__setitem__("q_proj", calls["q_proj"] + 1))
+    a = lm_loss_packed(plain, examples, "greedy")
+    a.backward()
+    calls.update(kernel=0, q_proj=0)
+    b = lm_loss_packed(recomputed, examples, "greedy")
+    layers = len(recomputed.model.layers)
+    assert calls == {"kernel": layers, "q_proj": layers}  # forward: once per layer
+    b.backward()
+    # backward: the kernel again in every layer; the projections too only with full_attn
+    assert calls == {"kernel": 2 * layers, "q_proj": (2 if granularity == "full_attn" else 1) * layers}
+    assert b.item() == pytest.approx(a.item(), rel=1e-6)
+    grads = dict(plain.named_parameters())
+    for name, param in recomputed.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name].grad, rtol=1e-5, atol=1e-6, msg=name)

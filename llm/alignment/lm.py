@@ -103,8 +103,10 @@ def load_causal_lm(
     training_args: TrainingArguments,
     tokenizer: PreTrainedTokenizerBase,
     init_from_config: bool,
+    recompute: str | None = None,
 ) -> PreTrainedModel:
-    """A causal LM with the packed attention kernel; stops if the tokenizer has ids the model cannot embed."""
+    """A causal LM with the packed attention kernel; stops if the tokenizer has ids the model cannot embed.
+    ``recompute``: attention-level activation checkpointing (``llm.utils.modeling.enable_recompute``)."""
     model = load_model(
         AutoModelForCausalLM,
         path,
@@ -113,6 +115,7 @@ def load_causal_lm(
         dtype=weights_dtype(training_args),
         pad_token_id=tokenizer.pad_token_id,
         layout=training_args.layout,
+        recompute=recompute,
     )
     vocab = model.get_output_embeddings().weight.shape[0]
     if len(tokenizer) > vocab:

@@ -174,10 +174,8 @@ def validate_arguments(model_args: ModelArgument, data_args: DataArgument, train
             f"recompute_granularity must be full, full_attn or core_attn, got {model_args.recompute_granularity!r}"
         )
     if training_args.recompute and model_args.recompute_granularity != "full":
-        raise UserError(
-            f"recompute_granularity={model_args.recompute_granularity!r} is not available in this build "
-            "(Hugging Face activation checkpointing works per decoder layer): set it to 'full'"
-        )
+        # finer than a whole layer: applied to the attention blocks at load time (llm.utils.modeling)
+        training_args.activation_checkpointing = False
     if model_args.virtual_pp_degree != 1:
         raise UserError("virtual_pp_degree: pipeline parallelism is not available in this build; set it to 1")
     if model_args.use_flash_attention:
@@ -208,6 +206,13 @@ def validate_arguments(model_args: ModelArgument, data_args: DataArgument, train
         training_args.do_eval = False
         training_args.eval_strategy = "no"
         training_args.save_strategy = "no"
+
+
+def recompute_mode(model_args: ModelArgument, training_args: TrainingArguments) -> str | None:
+    """The attention-level recompute to apply at load time; None when off or done per layer by transformers."""
+    if training_args.recompute and model_args.recompute_granularity != "full":
+        return model_args.recompute_granularity
+    return None
 
 
 ARGUMENT_TYPES = (ModelArgument, DataArgument, TrainingArguments)

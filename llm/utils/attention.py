@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -245,17 +246,30 @@ def packed_sdpa_attention(
     packed_attention: PackedAttention | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function. Without ``packed_attention`` it is plain SDPA (generation, eval)."""
+    """transformers attention function. Without ``packed_attention`` it is plain SDPA (generation, eval).
+
+    A module with ``recompute_core_attention`` set (``recompute_granularity: core_attn``) keeps no
+    activations of the attention kernel itself: backward runs the kernel again.
+    """
     if packed_attention is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     dropout = dropout if module.training else 0.0
-    if packed_attention.kernel == "flash_varlen" and packed_attention.is_document_causal:
-        out = flash_varlen(query, key, value, packed_attention, scaling)
-    elif packed_attention.kernel == "flex":
-        out = flex(query, key, value, packed_attention, scaling)
+    if getattr(module, RECOMPUTE_CORE_ATTENTION, False) and torch.is_grad_enabled():
+        out = checkpoint(_packed_kernel, query, key, value, packed_attention, scaling, dropout, use_reentrant=False)
     else:
-        out = blockwise_sdpa(query, key, value, packed_attention, scaling, dropout)
+        out = _packed_kernel(query, key, value, packed_attention, scaling, dropout)
     return out.transpose(1, 2).contiguous(), None
+
+
+RECOMPUTE_CORE_ATTENTION = "recompute_core_attention"
+
+
+def _packed_kernel(query, key, value, packed_attention: PackedAttention, scaling, dropout: float) -> torch.Tensor:
+    if packed_attention.kernel == "flash_varlen" and packed_attention.is_document_causal:
+        return flash_varlen(query, key, value, packed_attention, scaling)
+    if packed_attention.kernel == "flex":
+        return flex(query, key, value, packed_attention, scaling)
+    return blockwise_sdpa(query, key, value, packed_attention, scaling, dropout)
 
 
 AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)

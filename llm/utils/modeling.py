@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
 import torch
 import transformers
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from llm.utils.attention import PACKED_SDPA
+from llm.utils.attention import PACKED_SDPA, RECOMPUTE_CORE_ATTENTION
 from llm.utils.distributed import Layout, distributed_config, place_model
 from llm.utils.errors import UserError
 
@@ -61,13 +63,14 @@ def load_model(
     attn_implementation: str = PACKED_SDPA,
     pad_token_id: int | None = None,
     layout: Layout | None = None,
+    recompute: str | None = None,
     **config_overrides,
 ) -> PreTrainedModel:
     """Load ``auto_class`` (AutoModelForCausalLM, AutoModelForSequenceClassification...) from ``path``.
 
     With ``init_from_config`` the weights are random, seeded, built from ``path/config.json``.
     ``layout`` (FSDP2 sharding / tensor parallel) places the model across the processes: every rank
-    reads only its own shard of a checkpoint.
+    reads only its own shard of a checkpoint. ``recompute`` (``full_attn`` | ``core_attn``): see ``enable_recompute``.
     """
     parallel = distributed_config(layout) if layout is not None else None
     if not os.path.isdir(path) and not init_from_config and "/" not in path:
@@ -106,12 +109,29 @@ def load_model(
             model = place_model(model, layout, parallel)
         except ValueError as err:
             raise UserError(f"{path}: cannot shard {config.model_type} as {layout.describe()}: {err}") from None
+    if recompute is not None:
+        enable_recompute(model, recompute)
     if not getattr(model, "_supports_attention_backend", False):
         raise UserError(
             f"model_type {config.model_type!r} does not route attention through transformers' AttentionInterface, "
             "so packed rows cannot be made exact: use a Llama/Mistral/Qwen2-style decoder"
         )
     return model
+
+
+def enable_recompute(model: torch.nn.Module, granularity: str) -> None:
+    """Paddle's ``recompute_granularity`` below a whole decoder layer (``full`` is transformers' per-layer
+    activation checkpointing): ``full_attn`` recomputes each self-attention block (projections, rotary
+    embedding, attention) in backward, ``core_attn`` only the attention kernel. Parameter names stay as
+    they are, so checkpoints are unchanged."""
+    blocks = [module for name, module in model.named_modules() if name.endswith("self_attn")]
+    if not blocks:
+        raise UserError(f"recompute_granularity={granularity!r}: {type(model).__name__} has no self_attn blocks")
+    for block in blocks:
+        if granularity == "core_attn":
+            setattr(block, RECOMPUTE_CORE_ATTENTION, True)
+        else:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
 def count_parameters(model: torch.nn.Module) -> int:

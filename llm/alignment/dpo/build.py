@@ -14,7 +14,7 @@ from llm.alignment.lm import load_causal_lm
 from llm.alignment.sft.build import encode_config
 from llm.data.pipeline import PackedData, load_packed, plan_summary, train_and_dev
 from llm.data.tokenize_lm import encode_pair_for_lm
-from llm.utils.arguments import DataArgument
+from llm.utils.arguments import DataArgument, recompute_mode
 from llm.utils.attention import kernel_for
 from llm.utils.errors import UserError
 from llm.utils.modeling import count_parameters, load_tokenizer
@@ -64,7 +64,13 @@ def build_dpo_trainer(
     if training_args.precompute_ref_log_probs and data_args.lazy:
         raise UserError("precompute_ref_log_probs needs the data in memory: set lazy false (or precompute false)")
     tokenizer = load_tokenizer(model_args.tokenizer_name_or_path or model_args.model_name_or_path)
-    model = load_causal_lm(model_args.model_name_or_path, training_args, tokenizer, model_args.init_from_config)
+    model = load_causal_lm(
+        model_args.model_name_or_path,
+        training_args,
+        tokenizer,
+        model_args.init_from_config,
+        recompute_mode(model_args, training_args),
+    )
     ref_model = build_reference(model_args, training_args, tokenizer, model)
     data = functools.partial(
         build_pair_data,

@@ -12,7 +12,7 @@ from llm.alignment.rm.trainer import RewardTrainer
 from llm.data.packing import collate
 from llm.data.pipeline import PackedData, load_packed, plan_summary, train_and_dev
 from llm.data.tokenize import EncodeConfig, encode_pair_for_scores, encode_prm, single_token_id
-from llm.utils.arguments import DataArgument, ModelArgument, TrainingArguments
+from llm.utils.arguments import DataArgument, ModelArgument, TrainingArguments, recompute_mode
 from llm.utils.attention import kernel_for
 from llm.utils.errors import UserError
 from llm.utils.modeling import count_parameters, load_model, load_tokenizer
@@ -84,6 +84,7 @@ def build_reward_model(model_args: ModelArgument, training_args: TrainingArgumen
             dtype=dtype,
             pad_token_id=tokenizer.pad_token_id,
             layout=training_args.layout,
+            recompute=recompute_mode(model_args, training_args),
         )
         tokens = reward_tokens(model_args)
         ids = (
@@ -105,6 +106,7 @@ def build_reward_model(model_args: ModelArgument, training_args: TrainingArgumen
         pad_token_id=tokenizer.pad_token_id,
         num_labels=1,
         layout=training_args.layout,
+        recompute=recompute_mode(model_args, training_args),
     )
     if not hasattr(model, "score"):
         raise UserError(

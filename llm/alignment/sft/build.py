@@ -13,7 +13,7 @@ from llm.data.packing import collate
 from llm.data.pipeline import PackedData, load_packed, plan_summary, train_and_dev
 from llm.data.tokenize import EncodeConfig
 from llm.data.tokenize_lm import encode_sft
-from llm.utils.arguments import DataArgument, ModelArgument, TrainingArguments
+from llm.utils.arguments import DataArgument, ModelArgument, TrainingArguments, recompute_mode
 from llm.utils.attention import kernel_for
 from llm.utils.modeling import count_parameters, load_tokenizer
 from llm.utils.preemption import SaveOnSignal
@@ -44,7 +44,13 @@ def build_sft_trainer(
     model_args: ModelArgument, data_args: DataArgument, training_args: TrainingArguments
 ) -> tuple[SFTTrainer, PackedData | None, PackedData | None]:
     tokenizer = load_tokenizer(model_args.tokenizer_name_or_path or model_args.model_name_or_path)
-    model = load_causal_lm(model_args.model_name_or_path, training_args, tokenizer, model_args.init_from_config)
+    model = load_causal_lm(
+        model_args.model_name_or_path,
+        training_args,
+        tokenizer,
+        model_args.init_from_config,
+        recompute_mode(model_args, training_args),
+    )
     data = functools.partial(build_sft_data, tokenizer=tokenizer, data_args=data_args, seed=training_args.seed)
     train, dev = train_and_dev(data_args, training_args, data)
     logger.info(
