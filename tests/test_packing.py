@@ -290,7 +290,7 @@ def test_streamed_rows_equal_eager_packing():
 def test_recompute_granularity_keeps_gradients_and_recomputes(granularity, monkeypatch):
     """recompute_granularity below a whole layer: same loss and gradients as no recompute, and backward
     really runs the attention block (full_attn) or only the attention kernel (core_attn) a second time."""
-    import llm.utils.attention as attention
+    from llm.utils import attention
     from llm.utils.modeling import enable_recompute
 
     gen = torch.Generator().manual_seed(3)
