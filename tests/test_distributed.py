@@ -201,3 +201,35 @@ def test_checkpoint_without_unified_copy_resumes(tmp_path):
     launch("prm", write_config(tmp_path, "prm", resumed, resume_from_checkpoint="auto", **common))
     assert train_losses(resumed)[-2:] == pytest.approx(train_losses(full)[-2:], abs=1e-6)
     assert max_weight_diff(full, resumed) <= 1e-6
+
+
+@pytest.mark.slow
+def test_two_nodes_through_rendezvous_equal_one_process(tmp_path, single):
+    """Multi-node launch (--nnodes 2 --rdzv-endpoint HOST:PORT, one torchrun per node), here two 'nodes' on this
+    machine, with FSDP2 across them: the same losses and weights as one process."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "two_nodes"
+    cfg = write_config(tmp_path, "prm", out, per_device_train_batch_size=1)
+    script = os.path.join(ROOT, "llm", SCRIPTS["reward"])
+    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1"]
+    node += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "test"]
+    procs = [
+        subprocess.Popen(
+            [*node, "--node-rank", str(rank), script, cfg, "--sharding", "stage3"],
+            env=ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-4000:]
+    one = single("prm")
+    assert train_losses(out) == pytest.approx(train_losses(one), abs=1e-5)
+    assert max_weight_diff(one, out) <= 1e-5
