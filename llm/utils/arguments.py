@@ -193,10 +193,10 @@ def validate_arguments(model_args: ModelArgument, data_args: DataArgument, train
     if training_args.fp16 and not torch.cuda.is_available():
         raise UserError("fp16 needs a CUDA device; on CPU use bf16 instead")
     layout = training_args.layout  # validates sharding / degrees against the world size
-    if layout.native and data_args.lazy:
+    if layout.tp > 1 and data_args.lazy:
         raise UserError(
-            "lazy streaming with sharding or tensor_parallel_degree is not available: streamed batches are not "
-            "split by data-parallel rank; set lazy false or run data parallel"
+            "lazy streaming with tensor_parallel_degree > 1 is not available (streamed rows are split over all "
+            "processes, not over the data-parallel ranks): set lazy false, or shard with sharding instead"
         )
     if data_args.dataset_probs and not data_args.train_dataset_path:
         raise UserError("dataset_probs needs train_dataset_path with several comma-separated files")
