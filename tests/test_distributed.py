@@ -233,3 +233,26 @@ def test_two_nodes_through_rendezvous_equal_one_process(tmp_path, single):
     one = single("prm")
     assert train_losses(out) == pytest.approx(train_losses(one), abs=1e-5)
     assert max_weight_diff(one, out) <= 1e-5
+
+
+def test_best_model_at_end_comes_from_the_sharded_state(tmp_path):
+    """load_best_model_at_end with checkpoints that hold only the sharded state: the final model is the best one."""
+    out = tmp_path / "best"
+    cfg = write_config(
+        tmp_path,
+        "prm",
+        out,
+        per_device_train_batch_size=2,
+        max_steps=4,
+        learning_rate=2.0,  # large steps: the eval loss moves, so "best" is not simply the last
+        save_strategy="steps",
+        save_steps=1,
+        evaluation_strategy="steps",
+        eval_steps=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        unified_checkpoint=False,
+    )
+    launch("prm", cfg)
+    history = [h["eval_loss"] for h in read_json(out / "trainer_state.json")["log_history"] if "eval_loss" in h]
+    assert read_json(out / "eval_results.json")["eval_loss"] == pytest.approx(min(history[:4]), rel=1e-6)

@@ -188,6 +188,13 @@ class AlignmentTrainer(Trainer):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         load_sharded_state(sharded, self.model, None)
 
+    def _load_best_model(self) -> None:
+        sharded = os.path.join(self.state.best_model_checkpoint, SHARDED_STATE_DIR)
+        if not os.path.isdir(sharded):
+            return super()._load_best_model()
+        logger.info("loading the best model from %s (%s)", sharded, self.state.best_metric)
+        load_sharded_state(sharded, self.model, None)
+
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None or not os.path.isdir(os.path.join(checkpoint, SHARDED_STATE_DIR)):
             return super()._load_optimizer_and_scheduler(checkpoint)
