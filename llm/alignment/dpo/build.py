@@ -64,12 +64,9 @@ def build_dpo_trainer(
     if training_args.precompute_ref_log_probs and data_args.lazy:
         raise UserError("precompute_ref_log_probs needs the data in memory: set lazy false (or precompute false)")
     tokenizer = load_tokenizer(model_args.tokenizer_name_or_path or model_args.model_name_or_path)
+    recompute = recompute_mode(model_args, training_args)
     model = load_causal_lm(
-        model_args.model_name_or_path,
-        training_args,
-        tokenizer,
-        model_args.init_from_config,
-        recompute_mode(model_args, training_args),
+        model_args.model_name_or_path, training_args, tokenizer, model_args.init_from_config, recompute
     )
     ref_model = build_reference(model_args, training_args, tokenizer, model)
     data = functools.partial(

@@ -44,12 +44,9 @@ def build_sft_trainer(
     model_args: ModelArgument, data_args: DataArgument, training_args: TrainingArguments
 ) -> tuple[SFTTrainer, PackedData | None, PackedData | None]:
     tokenizer = load_tokenizer(model_args.tokenizer_name_or_path or model_args.model_name_or_path)
+    recompute = recompute_mode(model_args, training_args)
     model = load_causal_lm(
-        model_args.model_name_or_path,
-        training_args,
-        tokenizer,
-        model_args.init_from_config,
-        recompute_mode(model_args, training_args),
+        model_args.model_name_or_path, training_args, tokenizer, model_args.init_from_config, recompute
     )
     data = functools.partial(build_sft_data, tokenizer=tokenizer, data_args=data_args, seed=training_args.seed)
     train, dev = train_and_dev(data_args, training_args, data)
