@@ -48,19 +48,28 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
 import os
-import platform
-import resource
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from bench.common import (
+    add_profiler,
+    add_step_clock,
+    add_worker_flags,
+    environment,
+    profile_summary,
+    rss_mib,
+    run_worker,
+    start_worker,
+    summarize_runs,
+    timed_window,
+    worker_result,
+    write_report,
+)
 
 TOKENIZER = os.path.join(ROOT, "llm/assets/tiny_tokenizer")
 DATA = {
@@ -91,16 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument(
-        "--profile",
-        type=int,
-        default=0,
-        help="with --side: torch.profiler over this many steps after warm-up; print the top ops",
-    )
-    # internal: one run in this process
-    p.add_argument("--side", default=None, help=argparse.SUPPRESS)  # "orm:ours", "prm:trl", ...
-    p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    add_worker_flags(p, "with --side: torch.profiler over this many steps after warm-up; print the top ops")
     args = p.parse_args(argv)
     if args.pairs is None:
         args.pairs = 32 if args.quick else 256
@@ -112,10 +112,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ----------------------------------------------------------------------------------------------- worker
-
-
-def _rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 class Counting:
@@ -136,20 +132,12 @@ class Counting:
 
 
 def run_side(args) -> dict:
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    import torch
-
-    torch.set_num_threads(args.threads)
-    # Same imports on both sides, so the base RSS is comparable.
+    start_worker(args.threads)
     import datasets
+    import torch
     import transformers
     import trl
-    from transformers import (
-        AutoConfig,
-        AutoModelForSequenceClassification,
-        AutoModelForTokenClassification,
-        TrainerCallback,
-    )
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
     from trl.experimental.prm import PRMConfig, PRMTrainer
 
     from llm.alignment.rm.build import build_reward_trainer
@@ -157,8 +145,6 @@ def run_side(args) -> dict:
     from llm.utils.arguments import DataArgument, ModelArgument, TrainingArguments
     from llm.utils.modeling import load_tokenizer
 
-    transformers.logging.set_verbosity_error()
-    datasets.disable_progress_bars()
     task, side = args.side.split(":")
     model_dir = os.path.join(args.workdir, "model")
     data_path = os.path.join(args.workdir, f"{task}.jsonl")
@@ -255,43 +241,21 @@ def run_side(args) -> dict:
         n_examples = len(rows)
 
     trainer.data_collator = counter
-    stamps: list[float] = []
-    cpu_stamps: list[float] = []
-
-    class Stamp(TrainerCallback):
-        def on_step_end(self, a, state, control, **kw):
-            stamps.append(time.perf_counter())
-            cpu_stamps.append(time.process_time())
-
-    trainer.add_callback(Stamp())
-    prof = None
-    if args.profile:  # torch.profiler (op level, with Python stacks) over steps warmup+1 .. warmup+N
-        from torch.profiler import ProfilerActivity, profile
-
-        prof = profile(activities=[ProfilerActivity.CPU], with_stack=True, record_shapes=True)
-
-        class Prof(TrainerCallback):
-            def on_step_end(self, a, state, control, **kw):
-                if state.global_step == args.warmup_steps:
-                    prof.__enter__()
-                elif state.global_step == args.warmup_steps + args.profile:
-                    prof.__exit__(None, None, None)
-
-        trainer.add_callback(Prof())
+    stamps, cpu_stamps = add_step_clock(trainer)
+    # torch.profiler (op level, with Python stacks) over steps warmup+1 .. warmup+N
+    prof = add_profiler(trainer, args.warmup_steps, args.profile) if args.profile else None
 
     n_params = sum(p.numel() for p in trainer.model.parameters())
-    pre_train_rss = _rss_mib()
+    pre_train_rss = rss_mib()
     t0, c0 = time.perf_counter(), time.process_time()
     trainer.train()
     total = time.perf_counter() - t0
-    peak_rss = _rss_mib()
+    peak_rss = rss_mib()
 
-    steps = len(stamps)
-    w = min(args.warmup_steps, steps - 1)
+    clock = timed_window(stamps, cpu_stamps, t0, c0, args.warmup_steps)
+    steps, w = clock["steps"], clock["warmup"]
+    seconds, cpu_seconds, step_times = clock["seconds"], clock["cpu_seconds"], clock["step_times"]
     timed = counter.batches[w:steps]
-    seconds = stamps[-1] - stamps[w - 1] if w > 0 else stamps[-1] - t0
-    cpu_seconds = cpu_stamps[-1] - cpu_stamps[w - 1] if w > 0 else cpu_stamps[-1] - c0
-    step_times = [b - a for a, b in zip(stamps[w - 1 :], stamps[w:])] if w > 0 else []
     real = sum(b[0] for b in timed)
     examples = sum(b[2] for b in timed)
     all_real = sum(b[0] for b in counter.batches[:steps])
@@ -324,23 +288,13 @@ def run_side(args) -> dict:
         "threads": torch.get_num_threads(),
     }
     if prof is not None:
-        averages = prof.key_averages()
-        print(averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60))
-        total_ms = sum(e.self_cpu_time_total for e in averages) / 1e3
-        print(
-            f"profiled {args.profile} steps: {total_ms:.0f} ms self CPU in {len(averages)} op kinds, "
-            f"{sum(e.count for e in averages)} op calls"
-        )
         w0 = args.warmup_steps
-        result["profile"] = {
-            "steps": args.profile,
-            "real_tokens": sum(b[0] for b in counter.batches[w0 : w0 + args.profile]),
-            "slots": sum(b[1] for b in counter.batches[w0 : w0 + args.profile]),
-            "self_cpu_us": {e.key: e.self_cpu_time_total for e in averages},
-            "calls": {e.key: e.count for e in averages},
-        }
-        stacks = prof.key_averages(group_by_stack_n=6)
-        print(stacks.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+        result["profile"] = profile_summary(
+            prof,
+            args.profile,
+            real_tokens=sum(b[0] for b in counter.batches[w0 : w0 + args.profile]),
+            slots=sum(b[1] for b in counter.batches[w0 : w0 + args.profile]),
+        )
     return result
 
 
@@ -404,16 +358,7 @@ def prepare(args, workdir: str) -> dict:
 
 
 def run_subprocess(args, task: str, side: str, workdir: str, trl_batch: int) -> dict:
-    result = os.path.join(workdir, f"result_{task}_{side}_{time.time_ns()}.json")
-    cmd = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--side",
-        f"{task}:{side}",
-        "--workdir",
-        workdir,
-        "--result",
-        result,
+    argv = [
         "--trl-batch",
         str(trl_batch),
         "--max-seq-len",
@@ -429,16 +374,7 @@ def run_subprocess(args, task: str, side: str, workdir: str, trl_batch: int) -> 
         "--seed",
         str(args.seed),
     ]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=ROOT)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-5000:] + proc.stderr[-10000:])
-        raise SystemExit(f"{task}/{side} failed (exit {proc.returncode})")
-    with open(result, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def median_of(runs: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in runs)
+    return run_worker(__file__, f"{task}:{side}", workdir, argv, ROOT)
 
 
 def fmt_table(summary: dict) -> str:
@@ -472,10 +408,7 @@ def fmt_table(summary: dict) -> str:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.side:
-        res = run_side(args)
-        with open(args.result, "w", encoding="utf-8") as f:
-            json.dump(res, f)
-        return res
+        return worker_result(args.result, run_side(args))
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     assert all(t in DATA for t in args.tasks), args.tasks
     started = time.time()
@@ -508,27 +441,25 @@ def main(argv=None) -> dict:
     for task in args.tasks:
         summary[task] = {}
         for side in SIDES:
-            rs = runs[task][side]
-            m = {k: median_of(rs, k) for k in keys}
-            for k in (
-                "examples_per_step",
-                "real_tokens_per_example",
-                "pad_ratio",
-                "pack_stats_pad_ratio",
-                "steps",
-                "examples",
-                "real_tokens_epoch",
-                "slots_per_step",
-                "parameters",
-                "optimizer",
-                "threads",
-                "activation_checkpointing",
-                "attn_implementation",
-            ):
-                m[k] = rs[0][k]
-            m["runs"] = len(rs)
-            m["tokens_per_second_all"] = [r["tokens_per_second"] for r in rs]
-            summary[task][side] = m
+            summary[task][side] = summarize_runs(
+                runs[task][side],
+                keys,
+                (
+                    "examples_per_step",
+                    "real_tokens_per_example",
+                    "pad_ratio",
+                    "pack_stats_pad_ratio",
+                    "steps",
+                    "examples",
+                    "real_tokens_epoch",
+                    "slots_per_step",
+                    "parameters",
+                    "optimizer",
+                    "threads",
+                    "activation_checkpointing",
+                    "attn_implementation",
+                ),
+            )
         o, t = summary[task]["ours"], summary[task]["trl"]
         summary[task]["ratio_ours_over_trl"] = {
             k: o[k] / t[k] if t[k] else float("nan")
@@ -545,24 +476,13 @@ def main(argv=None) -> dict:
     print()
     print(table)
     report = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": " ".join([os.path.basename(sys.executable), "bench/bench_reward.py", *(argv or sys.argv[1:])]),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch": __import__("torch").__version__,
-        "transformers": __import__("transformers").__version__,
-        "trl": __import__("trl").__version__,
-        "settings": {k: v for k, v in vars(args).items() if k not in ("side", "workdir", "result")},
+        **environment("bench/bench_reward.py", argv or sys.argv[1:], args),
         "data": info,
         "summary": summary,
         "runs": runs,
         "table_markdown": table,
     }
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-        print(f"\nwrote {args.out}")
+    write_report(args.out, report)
     return report
 
 

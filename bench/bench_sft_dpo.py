@@ -1,0 +1,676 @@
+"""SFT and DPO training throughput on CPU: our trainers (packed rows) vs TRL 1.12 ``SFTTrainer`` / ``DPOTrainer``.
+
+Run from the repository root::
+
+    python bench/bench_sft_dpo.py --out /tmp/bench_sft_dpo.json   # 800 pairs / 800 SFT examples, 3 repeats
+    python bench/bench_sft_dpo.py --quick                          # smoke test (< 2 min)
+    python bench/bench_sft_dpo.py --profile 5 --tasks dpo          # op-level profile of 5 steps per side
+
+Both sides take their settings from the same tiny configs, ``llm/config/tiny/dpo_argument.json`` and
+``llm/config/tiny/sft_argument.json`` (model, max_seq_len 1024, max_prompt_len 256, greedy packing,
+lr, schedule, warmup, weight decay, seed, DPO loss/beta/precompute_ref_log_probs), with the benchmark
+overrides: one epoch over the first N training records, no evaluation, no saving, no logging, fp32,
+activation checkpointing off, 1 thread. Same random weights on both sides (``load_model`` with the
+config's seed; an initial-weights checksum is compared), the Trainer's AdamW (``adamw_torch_fused``)
+on both, and the *same token ids*: TRL gets our tokenisation of every record (prompt / chosen /
+rejected ids split back from our pair examples, as ``tests/test_dpo.py`` does; SFT ``input_ids``
+with ``labels`` = the token at every response position, -100 elsewhere), so both sides train on
+identical examples and targets.
+
+  dpo/ours           ``build_dpo_trainer`` (``llm/run_dpo.py``): each pair is one example
+                     [prompt | chosen | rejected] (prompt computed once), greedy-packed into rows of
+                     1024, 1 row per optimizer step, ``packed_sdpa``; LM head at answer tokens only.
+  dpo/trl            ``trl.DPOTrainer``: batches of ``--trl-batch`` pairs = 2x sequences
+                     (prompt + chosen, prompt + rejected: the prompt computed twice), right-padded,
+                     sdpa + 2-D mask, logits at every position. (``padding_free`` is disabled for DPO
+                     in TRL 1.12: it warns and falls back to padding.)
+  sft/ours           ``build_sft_trainer`` (``llm/run_finetune.py``): greedy-packed rows of 1024, 1 per step.
+  sft/trl            ``trl.SFTTrainer``, packing=False: batches of ``--trl-batch`` examples, right-padded.
+  sft/trl_packed     packing=True (strategy "bfd", best-fit decreasing into rows of 1024; TRL then
+                     turns padding_free on): 1 row per step, position_ids restart per example and
+                     transformers' sdpa mask builder makes the (exact) block-diagonal causal mask.
+  sft/trl_padfree    padding_free=True, packing=False: ``--trl-batch`` examples flattened into one
+                     sequence per step, the same mask mechanism.
+
+``--trl-batch auto`` (default) sets TRL's examples per step (unpacked modes) to our mean examples per
+packed row, rounded, so each optimizer step covers about the same number of pairs / examples.
+
+Token count convention (the same for every side): **real tokens = the tokens of each example counted
+once**: for a pair, prompt + chosen + rejected; for SFT, the conversation. TRL's DPO batch holds
+2 x prompt + chosen + rejected non-pad tokens; those are reported as "computed tokens". pairs/s (or
+examples/s) is convention-free. Pad ratio = 1 - computed non-pad tokens / elements of ``input_ids``.
+
+Each (task, side) run is its own subprocess (this script with ``--side``), importing the same modules
+(torch, transformers, trl, datasets, llm), so peak RSS (``ru_maxrss`` at the end) is per side.
+Runs are interleaved (the starting side rotates every repeat) and repeated; tables quote medians.
+Timing: a TrainerCallback stamps ``on_step_end``; the first ``--warmup-steps`` steps are not timed.
+Timed = data collation + forward + backward + optimizer + scheduler (the whole training step).
+Setup (tokenisation, packing, model, and the DPO reference log-probs precomputed on both sides) is
+reported apart as "setup s". With 1 thread, real tokens per CPU-second (``time.process_time``) is a
+load-robust companion to the wall-clock rate on a shared machine; "on CPU" is CPU time / wall time of
+the timed steps (below 100%: the run was preempted by other jobs), and the median over the runs that
+were at least 95% on CPU (their count in brackets) is the nearest thing to an idle-core wall-clock rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.common import (
+    add_profiler,
+    add_step_clock,
+    add_worker_flags,
+    environment,
+    median_of,
+    profile_summary,
+    rss_mib,
+    run_worker,
+    start_worker,
+    summarize_runs,
+    timed_window,
+    worker_result,
+    write_report,
+)
+
+TOKENIZER = os.path.join(ROOT, "llm/assets/tiny_tokenizer")
+CONFIGS = {
+    "dpo": os.path.join(ROOT, "llm/config/tiny/dpo_argument.json"),
+    "sft": os.path.join(ROOT, "llm/config/tiny/sft_argument.json"),
+}
+SIDES = {"dpo": ("ours", "trl"), "sft": ("ours", "trl", "trl_packed", "trl_padfree")}
+# ours / this TRL side on real tokens/s must reach the factor (issue #5)
+GOALS = {"dpo": ("trl", 1.5), "sft": ("trl_packed", 1.0)}
+MODEL_FLAGS = ("hidden", "intermediate", "layers", "heads", "kv_heads")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="smoke test: 96 pairs / 128 SFT examples, 1 repeat")
+    p.add_argument("--out", default=None, help="write the results as JSON to this path")
+    p.add_argument("--tasks", default="dpo,sft", help="comma-separated subset of dpo,sft")
+    p.add_argument(
+        "--sides", default=None, help="comma-separated subset of the sides (default all: ours,trl,trl_packed,...)"
+    )
+    p.add_argument("--pairs", type=int, default=None, help="DPO training pairs (default 800 = all, quick 96)")
+    p.add_argument("--sft-examples", type=int, default=None, help="SFT training examples (default 800, quick 128)")
+    p.add_argument("--repeats", type=int, default=None, help="runs per (task, side) (default 3, quick 1)")
+    p.add_argument("--trl-batch", default="auto", help="TRL examples per step (unpacked): an int or 'auto'")
+    p.add_argument("--warmup-steps", type=int, default=2, help="untimed first steps of each run")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (and OMP_NUM_THREADS) per run")
+    p.add_argument(
+        "--dpo-ref",
+        choices=("precompute", "online"),
+        default=None,
+        help="DPO reference log-probs: precomputed before training (the config's default) or a frozen "
+        "reference model run in every step, on both sides",
+    )
+    for flag in MODEL_FLAGS:
+        p.add_argument(
+            f"--{flag.replace('_', '-')}",
+            type=int,
+            default=None,
+            help="model size override (default: the config's llm/assets/tiny-llama as is)",
+        )
+    add_worker_flags(
+        p, "profile this many steps (after warm-up) of one run per side instead of timing; print the top ops"
+    )
+    args = p.parse_args(argv)
+    if args.pairs is None:
+        args.pairs = 96 if args.quick else 800
+    if args.sft_examples is None:
+        args.sft_examples = 128 if args.quick else 800
+    if args.repeats is None:
+        args.repeats = 1 if args.quick or args.profile else 3
+    return args
+
+
+# ----------------------------------------------------------------------------------------------- worker
+
+
+def our_arguments(task: str, workdir: str, out_dir: str, dpo_ref: str | None):
+    """The tiny config of ``task`` parsed as ``run_dpo.py`` / ``run_finetune.py`` do, with the benchmark overrides."""
+    from llm.alignment.dpo.arguments import DPO_ARGUMENT_TYPES
+    from llm.utils.arguments import ARGUMENT_TYPES, parse_arguments, validate_arguments
+
+    cli = [
+        CONFIGS[task],
+        "--model_name_or_path",
+        os.path.join(workdir, "model"),
+        "--tokenizer_name_or_path",
+        TOKENIZER,
+        "--train_dataset_path",
+        os.path.join(workdir, f"{task}.jsonl"),
+        "--output_dir",
+        out_dir,
+        "--num_train_epochs",
+        "1",
+        "--benchmark",
+        "true",  # no evaluation, no saving
+        "--do_eval",
+        "false",
+        "--logging_strategy",
+        "no",
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "true",
+        "--use_cpu",
+        "true",
+        "--bf16",
+        "false",
+    ]
+    if task == "dpo" and dpo_ref is not None:
+        cli += ["--precompute_ref_log_probs", str(dpo_ref == "precompute").lower()]
+    model_args, data_args, training_args = parse_arguments(cli, DPO_ARGUMENT_TYPES if task == "dpo" else ARGUMENT_TYPES)
+    validate_arguments(model_args, data_args, training_args)
+    return model_args, data_args, training_args
+
+
+def encoded_examples(task: str, path: str, tokenizer, data_args) -> list:
+    """Our ``Example`` of every record (unpacked), exactly as our data pipeline encodes them."""
+    from llm.alignment.sft.build import encode_config
+    from llm.data.readers import load_dataset_records
+    from llm.data.tokenize import encode_all
+    from llm.data.tokenize_lm import encode_pair_for_lm, encode_sft
+
+    cfg = encode_config(data_args)
+    if task == "dpo":
+        encode = functools.partial(encode_pair_for_lm, tokenizer=tokenizer, cfg=cfg)  # sigmoid: no prompt targets
+    else:
+        encode = functools.partial(encode_sft, tokenizer=tokenizer, cfg=cfg)
+    records = list(load_dataset_records(path, "pair" if task == "dpo" else "sft"))
+    return encode_all(records, encode, path)[0]
+
+
+def split_pair(ex) -> dict:
+    """A packed pair example [prompt | chosen | rejected] back into TRL's three id lists."""
+    p = ex.blocks[1].kv[0][1]
+    c = ex.blocks[0].q_end - p
+    return {
+        "prompt_ids": ex.input_ids[:p],
+        "chosen_ids": ex.input_ids[p : p + c],
+        "rejected_ids": ex.input_ids[p + c :],
+    }
+
+
+def sft_row(ex) -> dict:
+    """An SFT example as TRL's pre-tokenized form: input_ids, labels = the target token at every target position."""
+    labels = [-100] * len(ex.input_ids)
+    for pos, target in zip(ex.readout_position, ex.readout_target):
+        labels[pos + 1] = target
+    return {"input_ids": list(ex.input_ids), "labels": labels}
+
+
+class Counting:
+    """Wraps a collator; records per batch (real tokens, computed tokens, input_ids elements, examples, targets).
+
+    real = each example's tokens once (a pair: prompt + chosen + rejected); computed = non-pad tokens the
+    model runs (TRL DPO: 2 x prompt + chosen + rejected); targets = loss tokens (answer tokens).
+    """
+
+    def __init__(self, collate, kind: str):
+        self.collate, self.kind, self.batches = collate, kind, []
+
+    def __call__(self, features):
+        batch = self.collate(features)
+        if self.kind == "ours":
+            n = batch.num_real_tokens
+            self.batches.append((n, n, batch.input_ids.numel(), batch.num_examples, batch.readout_index.numel()))
+        elif self.kind == "trl_dpo":
+            ids, mask, comp = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
+            pairs = ids.shape[0] // 2
+            computed = int(mask.sum())
+            prompts = int((mask[:pairs] - comp[:pairs]).sum())  # the prompt tokens of the chosen half
+            self.batches.append((computed - prompts, computed, ids.numel(), pairs, int(comp.sum())))
+        else:  # trl SFT: padded (attention_mask) or padding-free (one flat sequence, position_ids)
+            ids, labels = batch["input_ids"], batch["labels"]
+            if "attention_mask" in batch:
+                real, examples = int(batch["attention_mask"].sum()), ids.shape[0]
+            else:
+                real, examples = ids.numel(), int((batch["position_ids"] == 0).sum())
+            self.batches.append((real, real, ids.numel(), examples, int((labels[:, 1:] != -100).sum())))
+        return batch
+
+
+def trl_common(training_args, out_dir: str) -> dict:
+    """TRL config fields copied from our parsed arguments, so both sides train alike."""
+    same = (
+        "num_train_epochs",
+        "learning_rate",
+        "weight_decay",
+        "lr_scheduler_type",
+        "warmup_steps",
+        "seed",
+        "gradient_accumulation_steps",
+        "max_grad_norm",
+        "optim",
+        "adam_beta1",
+        "adam_beta2",
+        "adam_epsilon",
+        "dataloader_num_workers",
+    )
+    return {
+        **{k: getattr(training_args, k) for k in same},
+        "output_dir": out_dir,
+        "do_train": True,
+        "do_eval": False,
+        "eval_strategy": "no",
+        "save_strategy": "no",
+        "logging_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
+        "use_cpu": True,
+        "bf16": False,
+        "fp16": False,
+        "activation_checkpointing": False,
+    }
+
+
+def build_trl(task: str, side: str, args, model_args, data_args, training_args, out_dir: str):
+    """The TRL trainer of ``side`` on our token ids; returns (trainer, Counting kind, examples)."""
+    import datasets
+    import trl
+    from transformers import AutoModelForCausalLM
+
+    from llm.utils.modeling import load_model, load_tokenizer
+
+    tokenizer = load_tokenizer(model_args.tokenizer_name_or_path)
+    model = load_model(
+        AutoModelForCausalLM,
+        model_args.model_name_or_path,
+        init_from_config=True,
+        seed=training_args.seed,
+        attn_implementation="sdpa",
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    examples = encoded_examples(task, data_args.train_dataset_path, tokenizer, data_args)
+    common = trl_common(training_args, out_dir)
+    batch = int(args.trl_batch)
+    if task == "dpo":
+        ta = training_args
+        if ta.loss_type != "sigmoid" or ta.sft_loss_weight or ta.reference_free:
+            raise SystemExit("bench_sft_dpo: the DPO comparison is for loss_type sigmoid with a reference")
+
+        class TokenizedDPOTrainer(trl.DPOTrainer):
+            """TRL's DPOTrainer fed our token ids: its text preparation (tokenising, adding EOS) is skipped."""
+
+            def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+                return dataset
+
+        config = trl.DPOConfig(
+            per_device_train_batch_size=batch,
+            max_length=data_args.max_seq_len,
+            beta=ta.beta,
+            loss_type=["sigmoid"],
+            label_smoothing=ta.label_smoothing,
+            precompute_ref_log_probs=ta.precompute_ref_log_probs,
+            **common,
+        )
+        ref = None if ta.precompute_ref_log_probs else copy.deepcopy(model)
+        trainer = TokenizedDPOTrainer(
+            model=model,
+            ref_model=ref,
+            args=config,
+            train_dataset=datasets.Dataset.from_list([split_pair(ex) for ex in examples]),
+            processing_class=tokenizer,
+        )
+        return trainer, "trl_dpo", len(examples)
+    packed = side == "trl_packed"
+    config = trl.SFTConfig(
+        per_device_train_batch_size=1 if packed else batch,
+        # padding-free without packing refuses a max_length it cannot enforce; our examples are already cut to it
+        max_length=None if side == "trl_padfree" else data_args.max_seq_len,
+        packing=packed,
+        packing_strategy="bfd",
+        padding_free=side == "trl_padfree",
+        **common,
+    )
+    trainer = trl.SFTTrainer(
+        model=model,
+        args=config,
+        train_dataset=datasets.Dataset.from_list([sft_row(ex) for ex in examples]),
+        processing_class=tokenizer,
+    )
+    return trainer, "trl_lm", len(examples)
+
+
+def weights_checksum(model) -> float:
+    import torch
+
+    with torch.no_grad():
+        return float(sum(p.double().sum() * (i + 1) for i, p in enumerate(model.parameters())))
+
+
+def run_side(args) -> dict:
+    start_worker(args.threads)
+    import torch
+
+    from llm.alignment.dpo.build import build_dpo_trainer
+    from llm.alignment.sft.build import build_sft_trainer
+
+    task, side = args.side.split(":")
+    out_dir = tempfile.mkdtemp(prefix=f"{task}_{side}_", dir=args.workdir)
+    model_args, data_args, training_args = our_arguments(task, args.workdir, out_dir, args.dpo_ref)
+    s0 = time.perf_counter()
+    if side == "ours":
+        build = build_dpo_trainer if task == "dpo" else build_sft_trainer
+        trainer, train, _ = build(model_args, data_args, training_args)
+        counter = Counting(trainer.data_collator, "ours")
+        n_examples = train.stats.examples
+    else:
+        trainer, kind, n_examples = build_trl(task, side, args, model_args, data_args, training_args, out_dir)
+        counter = Counting(trainer.data_collator, kind)
+    setup_seconds = time.perf_counter() - s0
+    trainer.data_collator = counter
+    stamps, cpu_stamps = add_step_clock(trainer)
+    prof = add_profiler(trainer, args.warmup_steps, args.profile) if args.profile else None
+
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    checksum = weights_checksum(trainer.model)
+    pre_train_rss = rss_mib()
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = trainer.train()
+    total = time.perf_counter() - t0
+    peak_rss = rss_mib()
+
+    clock = timed_window(stamps, cpu_stamps, t0, c0, args.warmup_steps)
+    steps, w, seconds = clock["steps"], clock["warmup"], clock["seconds"]
+    timed, epoch = counter.batches[w:steps], counter.batches[:steps]
+    col = lambda rows, i: sum(b[i] for b in rows)
+    result = {
+        "task": task,
+        "side": side,
+        "steps": steps,
+        "timed_steps": steps - w,
+        "timed_seconds": seconds,
+        "timed_cpu_seconds": clock["cpu_seconds"],
+        "step_seconds": clock["step_times"],
+        "train_seconds_total": total,
+        "setup_seconds": setup_seconds,
+        "train_loss": out.training_loss,
+        "examples": n_examples,
+        "examples_epoch": col(epoch, 3),
+        "examples_per_step": col(epoch, 3) / steps,
+        "real_tokens_epoch": col(epoch, 0),
+        "computed_tokens_epoch": col(epoch, 1),
+        "target_tokens_epoch": col(epoch, 4),
+        "real_tokens_per_example": col(epoch, 0) / max(col(epoch, 3), 1),
+        "tokens_per_second": col(timed, 0) / seconds,
+        "computed_tokens_per_second": col(timed, 1) / seconds,
+        "tokens_per_cpu_second": col(timed, 0) / clock["cpu_seconds"],
+        "examples_per_second": col(timed, 3) / seconds,
+        "pad_ratio": 1.0 - col(epoch, 1) / col(epoch, 2),
+        "slots_per_step": col(epoch, 2) / steps,
+        "peak_rss_mib": peak_rss,
+        "pre_train_rss_mib": pre_train_rss,
+        "train_added_rss_mib": peak_rss - pre_train_rss,
+        "parameters": n_params,
+        "initial_weights_checksum": checksum,
+        "optimizer": str(trainer.args.optim),
+        "learning_rate": trainer.args.learning_rate,
+        "batch_size": trainer.args.per_device_train_batch_size,
+        "activation_checkpointing": bool(trainer.args.activation_checkpointing),
+        "attn_implementation": trainer.model.config._attn_implementation,
+        "threads": torch.get_num_threads(),
+    }
+    if prof is not None:
+        w0 = args.warmup_steps
+        result["profile"] = profile_summary(
+            prof, args.profile, real_tokens=col(counter.batches[w0 : w0 + args.profile], 0)
+        )
+    return result
+
+
+# ----------------------------------------------------------------------------------------------- driver
+
+
+def prepare(args, workdir: str) -> dict:
+    """Model config dir (the config's tiny model, optionally resized), data subsets, our examples per packed row."""
+    from transformers import AutoConfig
+
+    from llm.alignment.dpo.build import build_pair_data
+    from llm.alignment.sft.build import build_sft_data
+    from llm.utils.modeling import load_tokenizer
+
+    tokenizer = load_tokenizer(TOKENIZER)
+    info: dict = {}
+    model_path = None
+    for task in args.tasks:
+        with open(CONFIGS[task], encoding="utf-8") as f:
+            cfg = json.load(f)
+        path = os.path.join(ROOT, cfg["model_name_or_path"])
+        if model_path not in (None, path):
+            raise SystemExit(f"the configs name different models ({model_path}, {path})")
+        model_path = path
+        n = args.pairs if task == "dpo" else args.sft_examples
+        with open(os.path.join(ROOT, cfg["train_dataset_path"]), encoding="utf-8") as f:
+            lines = [line for line in f if line.strip()][:n]
+        if len(lines) < n:
+            print(f"warning: {cfg['train_dataset_path']} has only {len(lines)} records (asked {n})", file=sys.stderr)
+        data_path = os.path.join(workdir, f"{task}.jsonl")
+        with open(data_path, "w", encoding="utf-8") as f:
+            f.writelines(lines)
+        info[task] = {"records": len(lines), "config": os.path.relpath(CONFIGS[task], ROOT)}
+    config = AutoConfig.from_pretrained(model_path)
+    sizes = {
+        "hidden": "hidden_size",
+        "intermediate": "intermediate_size",
+        "layers": "num_hidden_layers",
+        "heads": "num_attention_heads",
+        "kv_heads": "num_key_value_heads",
+    }
+    for flag, name in sizes.items():
+        if getattr(args, flag) is not None:
+            setattr(config, name, getattr(args, flag))
+    config.head_dim = config.hidden_size // config.num_attention_heads
+    config.save_pretrained(os.path.join(workdir, "model"))
+    info["model"] = {name: getattr(config, name) for name in sizes.values()} | {"vocab_size": config.vocab_size}
+    for task in args.tasks:
+        _, data_args, training_args = our_arguments(task, workdir, os.path.join(workdir, "probe"), args.dpo_ref)
+        data_path = os.path.join(workdir, f"{task}.jsonl")
+        if task == "dpo":
+            data = build_pair_data(data_path, tokenizer, data_args, training_args.loss_type, 1, training_args.seed)
+        else:
+            data = build_sft_data(data_path, tokenizer, data_args, 1, training_args.seed)
+        per_row = data.stats.examples / data.stats.rows
+        batch = max(1, round(per_row)) if args.trl_batch == "auto" else int(args.trl_batch)
+        info[task].update(
+            our_rows=data.stats.rows, our_examples_per_row=per_row, trl_batch=batch, max_seq_len=data_args.max_seq_len
+        )
+        if task == "dpo":
+            info[task]["precompute_ref_log_probs"] = training_args.precompute_ref_log_probs
+    return info
+
+
+def run_subprocess(args, task: str, side: str, workdir: str, trl_batch: int) -> dict:
+    argv = [
+        "--trl-batch",
+        str(trl_batch),
+        "--warmup-steps",
+        str(args.warmup_steps),
+        "--threads",
+        str(args.threads),
+        "--profile",
+        str(args.profile),
+    ]
+    if args.dpo_ref:
+        argv += ["--dpo-ref", args.dpo_ref]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+    return run_worker(__file__, f"{task}:{side}", workdir, argv, ROOT, env=env, echo=bool(args.profile))
+
+
+RATIO_KEYS = (
+    "tokens_per_second",
+    "tokens_per_cpu_second",
+    "examples_per_second",
+    "peak_rss_mib",
+    "train_added_rss_mib",
+    "calm_tokens_per_second",
+)
+CALM = 0.95  # a run "on CPU" (CPU time / wall time of its timed steps) at least this much was not preempted
+
+
+SAME_IN_EVERY_RUN = (
+    "examples_per_step",
+    "real_tokens_per_example",
+    "pad_ratio",
+    "steps",
+    "examples",
+    "real_tokens_epoch",
+    "computed_tokens_epoch",
+    "target_tokens_epoch",
+    "slots_per_step",
+    "batch_size",
+    "parameters",
+    "optimizer",
+    "learning_rate",
+    "threads",
+    "activation_checkpointing",
+    "attn_implementation",
+    "train_loss",
+)
+
+
+def on_cpu(run: dict) -> float:
+    return run["timed_cpu_seconds"] / run["timed_seconds"]
+
+
+def _num(x: float, fmt: str, suffix: str = "") -> str:
+    return "n/a" if math.isnan(x) else format(x, fmt) + suffix  # NaN: no run qualified
+
+
+def fmt_table(summary: dict) -> str:
+    lines = [
+        (
+            "| task | side | examples/step | real tok/example | pad | real tokens/s | computed tokens/s | "
+            "pairs or examples/s | real tokens/CPU-s | on CPU | real tokens/s, runs >= 95% on CPU | setup s | "
+            "peak RSS MiB | train-added RSS MiB | runs |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for task, s in summary.items():
+        for side in s["sides"]:
+            m = s[side]
+            lines.append(
+                f"| {task.upper()} | {side} | {m['examples_per_step']:.1f} | {m['real_tokens_per_example']:.1f} | "
+                f"{m['pad_ratio']:.1%} | {m['tokens_per_second']:.0f} | {m['computed_tokens_per_second']:.0f} | "
+                f"{m['examples_per_second']:.2f} | {m['tokens_per_cpu_second']:.0f} | {m['on_cpu']:.0%} | "
+                f"{_num(m['calm_tokens_per_second'], '.0f')} ({m['calm_runs']}) | {m['setup_seconds']:.1f} | "
+                f"{m['peak_rss_mib']:.0f} | {m['train_added_rss_mib']:.0f} | {m['runs']} |"
+            )
+        goal_side, goal = GOALS[task]
+        for side, r in s["ratio_ours_over"].items():
+            verdict = ""
+            if side == goal_side:
+                verdict = f" (goal >= {goal}x: {'met' if r['tokens_per_second'] >= goal else 'NOT met'})"
+            lines.append(
+                f"| {task.upper()} | **ours / {side}** | | | | **{r['tokens_per_second']:.2f}x**{verdict} | | "
+                f"{r['examples_per_second']:.2f}x | {r['tokens_per_cpu_second']:.2f}x | | "
+                f"{_num(r['calm_tokens_per_second'], '.2f', 'x')} | | {r['peak_rss_mib']:.2f}x | {r['train_added_rss_mib']:.2f}x | |"
+            )
+    return "\n".join(lines)
+
+
+def check_same_work(task: str, runs: dict) -> list[str]:
+    """Warnings where the sides did not see the same weights, examples and tokens."""
+    first = {side: rs[0] for side, rs in runs.items()}
+    ours = first["ours"]
+    warnings = []
+    for side, r in first.items():
+        for key in (
+            "initial_weights_checksum",
+            "parameters",
+            "examples_epoch",
+            "real_tokens_epoch",
+            "target_tokens_epoch",
+        ):
+            if abs(r[key] - ours[key]) > 1e-9 * max(1.0, abs(ours[key])):
+                warnings.append(f"{task}/{side}: {key} {r[key]} != ours {ours[key]}")
+        if r["activation_checkpointing"] or r["threads"] != ours["threads"] or r["optimizer"] != ours["optimizer"]:
+            warnings.append(f"{task}/{side}: settings differ from ours ({r['optimizer']}, {r['threads']} threads)")
+    return warnings
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.side:
+        return worker_result(args.result, run_side(args))
+    args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    assert all(t in CONFIGS for t in args.tasks), args.tasks
+    wanted = None if args.sides is None else {s.strip() for s in args.sides.split(",")} | {"ours"}
+    sides = {t: tuple(s for s in SIDES[t] if wanted is None or s in wanted) for t in args.tasks}
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="bench_sft_dpo_") as workdir:
+        info = prepare(args, workdir)
+        print(f"data and model: {json.dumps(info)}", flush=True)
+        runs: dict = {t: {s: [] for s in sides[t]} for t in args.tasks}
+        for rep in range(args.repeats):
+            for i, task in enumerate(args.tasks):
+                k = (rep + i) % len(sides[task])
+                for side in sides[task][k:] + sides[task][:k]:  # the starting side rotates
+                    r = run_subprocess(args, task, side, workdir, info[task]["trl_batch"])
+                    runs[task][side].append(r)
+                    print(
+                        f"[{time.time() - started:6.0f}s] rep {rep + 1}/{args.repeats} {task}/{side}: "
+                        f"{r['tokens_per_second']:.0f} real tok/s ({r['tokens_per_cpu_second']:.0f}/CPU-s), "
+                        f"{r['examples_per_second']:.2f} ex/s, {r['steps']} steps, pad {r['pad_ratio']:.1%}, "
+                        f"on CPU {on_cpu(r):.0%} of the timed wall time, "
+                        f"loss {r['train_loss']:.4f}, setup {r['setup_seconds']:.1f} s, "
+                        f"peak RSS {r['peak_rss_mib']:.0f} MiB",
+                        flush=True,
+                    )
+    summary: dict = {}
+    warnings: list[str] = []
+    for task in args.tasks:
+        summary[task] = {"sides": list(sides[task])}
+        for side in sides[task]:
+            rs = runs[task][side]
+            m = summarize_runs(
+                rs,
+                (*RATIO_KEYS[:-1], "computed_tokens_per_second", "timed_seconds", "setup_seconds"),
+                SAME_IN_EVERY_RUN,
+            )
+            m["on_cpu"] = statistics.median(on_cpu(r) for r in rs)
+            m["on_cpu_all"] = [on_cpu(r) for r in rs]
+            calm = [r for r in rs if on_cpu(r) >= CALM]  # runs that had a core to themselves
+            m["calm_runs"] = len(calm)
+            m["calm_tokens_per_second"] = median_of(calm, "tokens_per_second") if calm else float("nan")
+            summary[task][side] = m
+        o = summary[task]["ours"]
+        summary[task]["ratio_ours_over"] = {
+            side: {k: o[k] / summary[task][side][k] if summary[task][side][k] else float("nan") for k in RATIO_KEYS}
+            for side in sides[task]
+            if side != "ours"
+        }
+        warnings += check_same_work(task, runs[task])
+    table = fmt_table(summary)
+    print()
+    print(table)
+    for w in warnings:
+        print(f"warning: {w}")
+    report = {
+        **environment("bench/bench_sft_dpo.py", argv or sys.argv[1:], args),
+        "data": info,
+        "summary": summary,
+        "warnings": warnings,
+        "runs": runs,
+        "table_markdown": table,
+    }
+    write_report(args.out, report)
+    return report
+
+
+if __name__ == "__main__":
+    main()
