@@ -62,6 +62,7 @@ def prompts_tensor(n: int, length: int):
 def run_ours(a) -> dict:
     import torch
 
+    from llm.alignment.ppo.build import policy_update, value_update
     from llm.alignment.ppo.config import (
         ActorRolloutSection,
         AlgorithmSection,
@@ -74,7 +75,7 @@ def run_ours(a) -> dict:
         RewardSection,
         TrainingSection,
     )
-    from llm.alignment.ppo.roles import ORMReward, PolicyModel, TrainableRole, ValueModel
+    from llm.alignment.ppo.roles import ActorRole, CriticRole, ORMReward, PolicyModel, TrainableRole
     from llm.alignment.ppo.trainer import PPOTrainer, Prompt
     from llm.utils.attention import PACKED_SDPA
     from tests.helpers import tokenizer
@@ -108,12 +109,20 @@ def run_ours(a) -> dict:
     trainer = PPOTrainer(
         config,
         prompts,
-        PolicyModel(policy, tok, 1.0, a.batch),
-        TrainableRole(policy, 1e-5, 0.0, (0.9, 0.999), 1e-8, 0.0, 0),
+        tok,
+        ActorRole(
+            policy,
+            tok,
+            1.0,
+            a.batch,
+            TrainableRole(policy, 1e-5, 0.0, (0.9, 0.999), 1e-8, 0.0, 0),
+            policy_update(config),
+        ),
         ORMReward(reward.eval(), tok, tok, a.batch),
         PolicyModel(ref.eval(), tok, 1.0, a.batch),
-        ValueModel(critic, tok, a.batch),
-        TrainableRole(critic, 1e-5, 0.0, (0.9, 0.999), 1e-8, 0.0, 0),
+        CriticRole(
+            critic, tok, a.batch, TrainableRole(critic, 1e-5, 0.0, (0.9, 0.999), 1e-8, 0.0, 0), value_update(config)
+        ),
     )
     steps = [trainer.train_step() for _ in range(a.steps)][1:]  # first step is warm-up
     med = {

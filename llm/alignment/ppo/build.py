@@ -1,31 +1,51 @@
-"""Build the four roles and the PPO trainer from a ``PPOConfig``."""
+"""Build the PPO roles and the trainer from a ``PPOConfig``.
+
+Each role is built by ``build_role(config, name)`` in the process that will run it: this one by
+default, or a Ray actor (ray_roles.py). Seeded random initialisation (``init_from_config``) makes a
+role built in another process hold the same weights as one built here.
+"""
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from llm.alignment.ppo.config import PPOConfig
 from llm.alignment.ppo.roles import (
+    ActorRole,
+    CriticRole,
     HttpReward,
     ORMReward,
     PolicyModel,
+    PolicyUpdate,
     PRMReward,
     RewardFunction,
     RuleReward,
     TrainableRole,
-    ValueModel,
+    ValueUpdate,
 )
-from llm.alignment.ppo.trainer import PPOTrainer, prompts_from_records
+from llm.alignment.ppo.trainer import PPOTrainer, Prompt, prompts_from_records
 from llm.data.readers import load_dataset_records
 from llm.data.tokenize import single_token_id
+from llm.utils.distributed import Layout
 from llm.utils.errors import UserError
-from llm.utils.modeling import count_parameters, load_model, load_tokenizer
+from llm.utils.modeling import load_model, load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a role's models go: ``device`` ("cuda" in a Ray GPU worker) and, for one rank of an FSDP2
+    group, the group's ``layout`` (None: the whole model in this process)."""
+
+    device: str = "cpu"
+    layout: Layout | None = None
 
 
 def _optim(c: PPOConfig, model, role: str) -> TrainableRole:
@@ -41,7 +61,33 @@ def _optim(c: PPOConfig, model, role: str) -> TrainableRole:
     )
 
 
-def build_reward(c: PPOConfig, actor_tokenizer, dtype: torch.dtype) -> RewardFunction:
+def _dtype(c: PPOConfig) -> torch.dtype:
+    return torch.bfloat16 if c.training.bf16 else torch.float32
+
+
+def actor_tokenizer(c: PPOConfig):
+    a = c.actor_rollout
+    return load_tokenizer(a.tokenizer_name_or_path or a.model_name_or_path)
+
+
+def _load(c: PPOConfig, auto_class: type, path: str, from_config: bool, tok, place: Place, trained: bool, **kw):
+    """One of the run's models on ``place``: trained (gradient checkpointing as configured) or frozen."""
+    model = load_model(
+        auto_class,
+        path,
+        init_from_config=from_config,
+        seed=c.training.seed,
+        dtype=_dtype(c),
+        pad_token_id=tok.pad_token_id,
+        layout=place.layout,
+        **kw,
+    ).to(place.device)
+    if trained and c.training.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model if trained else model.eval().requires_grad_(False)
+
+
+def build_reward(c: PPOConfig, place: Place) -> RewardFunction:
     r, micro = c.reward, c.training.micro_batch_size
     if r.type == "rule":
         return RuleReward(r.rule)
@@ -49,16 +95,17 @@ def build_reward(c: PPOConfig, actor_tokenizer, dtype: torch.dtype) -> RewardFun
         return HttpReward(r.url, r.timeout)
     tok = load_tokenizer(r.tokenizer_name_or_path or r.model_name_or_path)
     if r.type == "orm":
-        model = load_model(
+        model = _load(
+            c,
             AutoModelForSequenceClassification,
             r.model_name_or_path,
-            init_from_config=r.init_from_config,
-            seed=c.training.seed,
-            dtype=dtype,
-            pad_token_id=tok.pad_token_id,
+            r.init_from_config,
+            tok,
+            place,
+            False,
             num_labels=1,
         )
-        return ORMReward(model.eval().requires_grad_(False), tok, actor_tokenizer, micro)
+        return ORMReward(model, tok, actor_tokenizer(c), micro)
     tokens = [t.strip() for t in r.reward_tokens.split(",")]
     if len(tokens) != 2:
         raise UserError(f"reward.reward_tokens must be 'positive,negative', got {r.reward_tokens!r}")
@@ -67,18 +114,11 @@ def build_reward(c: PPOConfig, actor_tokenizer, dtype: torch.dtype) -> RewardFun
         single_token_id(tok, tokens[1], "reward.reward_tokens"),
     )
     placeholder_id = single_token_id(tok, r.placeholder_token, "reward.placeholder_token")
-    model = load_model(
-        AutoModelForCausalLM,
-        r.model_name_or_path,
-        init_from_config=r.init_from_config,
-        seed=c.training.seed,
-        dtype=dtype,
-        pad_token_id=tok.pad_token_id,
-    )
+    model = _load(c, AutoModelForCausalLM, r.model_name_or_path, r.init_from_config, tok, place, False)
     return PRMReward(
-        model.eval().requires_grad_(False),
+        model,
         tok,
-        actor_tokenizer,
+        actor_tokenizer(c),
         r.step_separator,
         r.placeholder_token,
         ids,
@@ -88,69 +128,122 @@ def build_reward(c: PPOConfig, actor_tokenizer, dtype: torch.dtype) -> RewardFun
     )
 
 
-def build_ppo(c: PPOConfig) -> PPOTrainer:
-    a, t = c.actor_rollout, c.training
-    dtype = torch.bfloat16 if t.bf16 else torch.float32
-    tok = load_tokenizer(a.tokenizer_name_or_path or a.model_name_or_path)
-    records = list(load_dataset_records(c.data.train_dataset_path, "prompt", probs=c.data.dataset_probs, seed=t.seed))
-    prompts = prompts_from_records(records, tok, a.max_prompt_length, c.data.use_chat_template)
-    actor_model = load_model(
-        AutoModelForCausalLM,
-        a.model_name_or_path,
-        init_from_config=a.init_from_config,
-        seed=t.seed,
-        dtype=dtype,
-        pad_token_id=tok.pad_token_id,
+def policy_update(c: PPOConfig) -> PolicyUpdate:
+    a, alg = c.actor_rollout, c.algorithm
+    return PolicyUpdate(
+        a.ppo_mini_batch_size, c.clip_low, c.clip_high, a.entropy_coeff, alg.kl_loss_coef, alg.kl_penalty
     )
-    if t.gradient_checkpointing:
-        actor_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ref_path = c.ref.model_name_or_path or a.model_name_or_path
-    if ref_path == a.model_name_or_path:
-        ref_model = copy.deepcopy(actor_model)  # the frozen SFT model: same weights as the actor at start
-    else:
-        ref_model = load_model(
-            AutoModelForCausalLM,
-            ref_path,
-            init_from_config=c.ref.init_from_config,
-            seed=t.seed,
-            dtype=dtype,
-            pad_token_id=tok.pad_token_id,
-        )
-    ref_model.eval().requires_grad_(False)
-    if len(ref_model.get_input_embeddings().weight) != len(actor_model.get_input_embeddings().weight):
+
+
+def value_update(c: PPOConfig) -> ValueUpdate:
+    cr = c.critic
+    return ValueUpdate(cr.critic_mini_batch_size, cr.cliprange_value, cr.value_loss_coef)
+
+
+def build_actor(c: PPOConfig, place: Place) -> ActorRole:
+    a, tok = c.actor_rollout, actor_tokenizer(c)
+    model = _load(c, AutoModelForCausalLM, a.model_name_or_path, a.init_from_config, tok, place, True)
+    micro = c.training.micro_batch_size
+    return ActorRole(model, tok, a.temperature, micro, _optim(c, model, "actor_rollout"), policy_update(c))
+
+
+def build_ref(c: PPOConfig, place: Place) -> PolicyModel:
+    """The frozen SFT model: the actor's own checkpoint (or seeded config) unless ``ref`` names another."""
+    a, tok = c.actor_rollout, actor_tokenizer(c)
+    path = c.ref.model_name_or_path or a.model_name_or_path
+    from_config = a.init_from_config if path == a.model_name_or_path else c.ref.init_from_config
+    model = _load(c, AutoModelForCausalLM, path, from_config, tok, place, False)
+    if (
+        path != a.model_name_or_path
+        and model.config.vocab_size != AutoConfig.from_pretrained(a.model_name_or_path).vocab_size
+    ):
         raise UserError("ref and actor_rollout models have different vocabularies: the reference must be the SFT model")
-    micro = t.micro_batch_size
-    actor = PolicyModel(actor_model, tok, a.temperature, micro)
-    ref = PolicyModel(ref_model, tok, a.temperature, micro)
-    reward = build_reward(c, tok, dtype)
-    critic = critic_optim = None
+    return PolicyModel(model, tok, a.temperature, c.training.micro_batch_size)
+
+
+def build_rollout(c: PPOConfig, place: Place) -> PolicyModel:
+    """A generation copy of the actor: the actor's initial weights, then whatever ``sync_from`` sends."""
+    a, tok = c.actor_rollout, actor_tokenizer(c)
+    model = _load(c, AutoModelForCausalLM, a.model_name_or_path, a.init_from_config, tok, place, False)
+    return PolicyModel(model, tok, a.temperature, c.training.micro_batch_size)
+
+
+def build_critic(c: PPOConfig, place: Place) -> CriticRole:
+    """Initialised from the reward model when it is an ORM (its backbone and head), else from the actor."""
+    t, tok = c.training, actor_tokenizer(c)
+    if c.critic.model_name_or_path:
+        path, from_config = c.critic.model_name_or_path, c.critic.init_from_config
+    elif c.reward.type == "orm":
+        path, from_config = c.reward.model_name_or_path, c.reward.init_from_config
+    else:
+        path, from_config = c.actor_rollout.model_name_or_path, c.actor_rollout.init_from_config
+    model = _load(c, AutoModelForSequenceClassification, path, from_config, tok, place, True, num_labels=1)
+    return CriticRole(model, tok, t.micro_batch_size, _optim(c, model, "critic"), value_update(c))
+
+
+BUILDERS = {
+    "actor_rollout": build_actor,
+    "ref": build_ref,
+    "critic": build_critic,
+    "reward": build_reward,
+    "rollout": build_rollout,
+}
+
+
+def role_names(c: PPOConfig) -> list[str]:
+    """The roles this run needs, in build order."""
+    names = ["actor_rollout", "ref", "reward"]
     if c.uses_critic:
-        # Initialised from the reward model when it is an ORM (its backbone and head), else from the actor.
-        if c.critic.model_name_or_path:
-            path, from_config = c.critic.model_name_or_path, c.critic.init_from_config
-        elif c.reward.type == "orm":
-            path, from_config = c.reward.model_name_or_path, c.reward.init_from_config
-        else:
-            path, from_config = a.model_name_or_path, a.init_from_config
-        critic_model = load_model(
-            AutoModelForSequenceClassification,
-            path,
-            init_from_config=from_config,
-            seed=t.seed,
-            dtype=dtype,
-            pad_token_id=tok.pad_token_id,
-            num_labels=1,
-        )
-        if t.gradient_checkpointing:
-            critic_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        critic = ValueModel(critic_model, tok, micro)
-        critic_optim = _optim(c, critic_model, "critic")
+        names.append("critic")
+    if c.resource_pool.rollout > 0:
+        names.append("rollout")
+    return names
+
+
+def build_role(c: PPOConfig, name: str, place: Place = Place()):
+    role = BUILDERS[name](c, place)
+    logger.info("built role %s (%s) on %s", name, type(role).__name__, place)
+    return role
+
+
+@contextlib.contextmanager
+def placed_roles(c: PPOConfig) -> Iterator[dict]:
+    """The roles by name: built here by default, or Ray proxies (ended, with their actors, on exit)."""
+    if not c.resource_pool.use_ray:
+        yield {name: build_role(c, name) for name in role_names(c)}
+        return
+    from llm.alignment.ppo.ray_roles import ray_roles
+
+    with ray_roles(c, role_names(c)) as roles:
+        yield roles
+
+
+def load_prompts(c: PPOConfig) -> list[Prompt]:
+    """The prompt file tokenised with the actor's tokenizer; a bad record stops the run before any model loads."""
+    t = c.training
+    records = list(load_dataset_records(c.data.train_dataset_path, "prompt", probs=c.data.dataset_probs, seed=t.seed))
+    return prompts_from_records(
+        records, actor_tokenizer(c), c.actor_rollout.max_prompt_length, c.data.use_chat_template
+    )
+
+
+def build_ppo(c: PPOConfig, prompts: list[Prompt], roles: dict) -> PPOTrainer:
+    """The trainer over ``roles`` (from ``placed_roles``)."""
     logger.info(
-        "PPO: %d prompts; actor %.2fM params; reward %s; advantages %s; critic %s",
+        "PPO: %d prompts; roles %s (%s); reward %s; advantages %s",
         len(prompts),
-        count_parameters(actor_model) / 1e6,
+        ", ".join(roles),
+        "Ray actors" if c.resource_pool.use_ray else "in this process",
         c.reward.type,
         c.algorithm.adv_estimator,
-        "none" if critic is None else f"{count_parameters(critic.model) / 1e6:.2f}M params",
     )
-    return PPOTrainer(c, prompts, actor, _optim(c, actor_model, "actor_rollout"), reward, ref, critic, critic_optim)
+    return PPOTrainer(
+        c,
+        prompts,
+        actor_tokenizer(c),
+        roles["actor_rollout"],
+        roles["reward"],
+        roles["ref"],
+        roles.get("critic"),
+        roles.get("rollout"),
+    )

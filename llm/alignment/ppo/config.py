@@ -129,12 +129,60 @@ class DataSection:
     use_chat_template: bool = False
 
 
+ROLES = ("actor_rollout", "ref", "critic", "reward")
+
+
+def _help(default: Any, text: str) -> Any:
+    return field(default=default, metadata={"help": text})
+
+
 @dataclass
 class ResourcePool:
-    actor_rollout: float = 1
-    ref: float = 1
-    critic: float = 1
-    reward: float = 1
+    """Where the roles run. Default: all four in this process (every amount 1, ``use_ray`` false).
+
+    With ``use_ray`` each role, or each ``colocate`` group, runs in Ray actor processes placed through
+    one placement group: one process for a share of a device (< 1) or one device, N processes forming
+    an FSDP2 group for N devices. The amounts count ``device`` units.
+    """
+
+    actor_rollout: float = _help(
+        1,
+        "devices for the actor (its training and, without a rollout copy, its generation); with Ray < 1 is a "
+        "share of one device and N > 1 a group of N actors sharding the model with FSDP2",
+    )
+    ref: float = _help(1, "devices for the frozen reference policy (Ray: a share < 1, or N > 1 for FSDP2)")
+    critic: float = _help(1, "devices for the critic, value model and optimizer (Ray: a share < 1, or N > 1 for FSDP2)")
+    reward: float = _help(1, "devices for the reward role: model, rule or HTTP client (Ray: a share < 1, or N > 1)")
+    rollout: float = _help(
+        0,
+        "devices for a separate generation copy of the actor that receives its weights after every update "
+        "(Ray; bounded by weight_sync_timeout); 0: the actor generates with its own weights",
+    )
+    use_ray: bool = _help(False, "run the roles in Ray actors (pip install ray); false: all roles in this process")
+    device: str = _help(
+        "cpu", "what the amounts count and where role models run: cpu (Ray CPUs) or gpu (Ray GPUs, models on CUDA)"
+    )
+    colocate: list[list[str]] = field(
+        default_factory=list,
+        metadata={
+            "help": 'groups of roles sharing one Ray actor process and its devices, e.g. [["actor_rollout", '
+            '"ref"], ["critic", "reward"]]; the members of a group need equal amounts'
+        },
+    )
+    address: str | None = _help(
+        None,
+        "Ray cluster: null joins the cluster `ray start` made on this node (else starts a local one); 'auto' "
+        "must find a running cluster; 'HOST:PORT' the head node of a cluster",
+    )
+    call_timeout: float = _help(
+        1800.0, "seconds a role call (build, generate, score, update, save) may take before the run stops naming it"
+    )
+    weight_sync_timeout: float = _help(
+        300.0, "seconds the actor -> rollout copy weight sync may take before the run stops naming it"
+    )
+
+    def amount(self, role: str) -> float:
+        return getattr(self, role)
 
 
 SECTIONS: dict[str, type] = {
@@ -287,9 +335,61 @@ def validate_ppo_config(c: PPOConfig, path: str) -> None:
         raise UserError(
             f"{path}: num_samples_per_step > 1 with do_sample false gives identical samples: set do_sample true"
         )
-    for role, amount in dataclasses.asdict(c.resource_pool).items():
-        if amount != 1:
+    validate_resource_pool(c.resource_pool, path)
+
+
+def validate_resource_pool(pool: ResourcePool, path: str) -> None:
+    if not isinstance(pool.use_ray, bool):
+        raise UserError(f"{path}: resource_pool.use_ray must be true or false, got {pool.use_ray!r}")
+    for role in (*ROLES, "rollout"):
+        amount = pool.amount(role)
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount < 0:
+            raise UserError(f"{path}: resource_pool.{role} must be a number of devices >= 0, got {amount!r}")
+        if not pool.use_ray:
+            if amount != (0 if role == "rollout" else 1):
+                what = "a separate rollout copy" if role == "rollout" else "placing roles on their own devices"
+                raise UserError(
+                    f"{path}: resource_pool.{role}={amount}: {what} needs Ray: set resource_pool.use_ray true "
+                    "(pip install ray), or leave it at its default to run every role in this process"
+                )
+            continue
+        if amount == 0 and role != "rollout":
+            raise UserError(f"{path}: resource_pool.{role}=0: every role needs a device or a share of one (> 0)")
+        if amount > 1 and not float(amount).is_integer():
             raise UserError(
-                f"{path}: resource_pool.{role}={amount}: placing roles on several devices or machines (Ray) is not "
-                "wired in this build; all four roles run in this process: set 1"
+                f"{path}: resource_pool.{role}={amount}: more than one device must be a whole number (each rank "
+                "of the role's FSDP2 group holds one device); below one it is a share of a single device"
+            )
+    if not pool.use_ray:
+        for name, value, default in (("colocate", pool.colocate, []), ("address", pool.address, None)):
+            if value != default:
+                raise UserError(f"{path}: resource_pool.{name} is used only with resource_pool.use_ray true")
+        return
+    if pool.device not in ("cpu", "gpu"):
+        raise UserError(f"{path}: resource_pool.device must be cpu or gpu, got {pool.device!r}")
+    for name in ("call_timeout", "weight_sync_timeout"):
+        value = getattr(pool, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise UserError(f"{path}: resource_pool.{name} must be a number of seconds > 0, got {value!r}")
+    if not isinstance(pool.colocate, list) or not all(isinstance(g, list) for g in pool.colocate):
+        raise UserError(f'{path}: resource_pool.colocate must be a list of role lists, e.g. [["actor_rollout", "ref"]]')
+    seen: set[str] = set()
+    for group in pool.colocate:
+        for role in group:
+            if role not in ROLES:
+                raise UserError(
+                    f"{path}: resource_pool.colocate: unknown role {role!r}; colocate any of {', '.join(ROLES)} "
+                    f"(closest: {closest(str(role), ROLES)})"
+                )
+            if role in seen:
+                raise UserError(f"{path}: resource_pool.colocate: {role!r} is listed twice; a role runs in one place")
+            seen.add(role)
+        if len(group) < 2:
+            raise UserError(f"{path}: resource_pool.colocate: {group} has one role; a group needs two or more")
+        amounts = {pool.amount(role) for role in group}
+        if len(amounts) > 1:
+            listed = ", ".join(f"{role}={pool.amount(role)}" for role in group)
+            raise UserError(
+                f"{path}: resource_pool.colocate: {group} share one process and its devices, so they need equal "
+                f"amounts ({listed})"
             )

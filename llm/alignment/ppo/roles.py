@@ -1,14 +1,21 @@
 """The four PPO roles behind small interfaces.
 
-- ``PolicyModel`` (actor, reference): ``generate`` and per-token ``log_probs`` of responses.
-- ``ValueModel`` (critic): per-token ``values``.
+- ``PolicyModel`` (reference, rollout copy): ``generate`` and per-token ``log_probs`` of responses.
+- ``ActorRole`` (the trained policy): a ``PolicyModel`` that also owns its optimizer and runs the
+  PPO update (clipped policy loss, entropy bonus, KL loss) over mini-batches: ``update``.
+- ``ValueModel`` / ``CriticRole`` (critic): per-token ``values``; ``CriticRole.update`` fits them.
 - ``RewardFunction`` (ORM, PRM, rule, HTTP): ``score(samples) -> RewardOutput``.
-Trainable roles (actor, critic) also own their optimizer: ``TrainableRole.step``.
 
 Every forward over prompt+response runs on packed rows (no padding waste) with the exact
-block-wise attention; token tensors come back as ``(B, T)`` right-padded over response tokens.
-The algorithm (trainer.py) only talks to these interfaces, so a role can later live in another
-process or machine without touching it.
+block-wise attention; token tensors come back as ``(B, T)`` right-padded over response tokens, on
+the CPU. Arguments and results are plain records and tensors (``Samples``, ``PolicyBatch``,
+``ValueBatch``, ``UpdateStats``, ``RewardOutput``), so a role lives in this process or in a Ray actor
+(ray_roles.py wraps these same classes) without the trainer knowing which.
+
+A role may also be one rank of an FSDP2 group (ray_roles.py starts the group): every rank runs the
+same call on the same batch with its shard of the parameters, so results equal one process. Heads
+applied outside the model's forward are gathered with ``full_weight``; checkpoints and weights for
+the rollout copy go through full (gathered) state dicts, written by the first rank.
 """
 
 from __future__ import annotations
@@ -17,20 +24,35 @@ import contextlib
 import importlib
 import json
 import math
+import os
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from llm.alignment.lm import readout_hidden
+from llm.alignment.lm import full_weight, readout_hidden
+from llm.alignment.ppo.algorithm import kl_estimate, policy_loss, value_loss
 from llm.alignment.rm.loss import step_scores
 from llm.data.packing import causal_example, collate, pack
 from llm.data.tokenize import prm_response_text
 from llm.utils.attention import PACKED_SDPA
 from llm.utils.errors import UserError
+
+
+class RoleFailure(UserError):
+    """A role stopped answering: its process died, or a call ran past its timeout. Names the role."""
 
 
 @dataclass
@@ -75,8 +97,8 @@ def _token_readouts(samples: Samples, idx: list[int], max_len: int):
 
 
 def scatter_tokens(values: torch.Tensor, batch, lengths: list[int], T: int) -> torch.Tensor:
-    """Flat readout values (example order within rows) -> (B, T) right-padded."""
-    out = values.new_zeros(len(lengths), T)
+    """Flat readout values ``(N, ...)`` (example order within rows) -> ``(B, T, ...)`` right-padded."""
+    out = values.new_zeros(len(lengths), T, *values.shape[1:])
     example = batch.records[batch.readout_example]  # sample index of each readout
     # An example's readouts are contiguous and in token order: token index = rank within its run.
     _, counts = torch.unique_consecutive(batch.readout_example, return_counts=True)
@@ -84,6 +106,35 @@ def scatter_tokens(values: torch.Tensor, batch, lengths: list[int], T: int) -> t
     token = torch.arange(len(example), device=example.device) - run_start
     out[example, token] = values
     return out
+
+
+def _merge(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Micro-batch results, each ``(B, T, ...)`` and zero outside its own samples, as one tensor."""
+    return sum(parts) if len(parts) > 1 else parts[0]
+
+
+def _chunks(items: list[int], size: int) -> list[list[int]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def _linear(layer: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    """``layer(hidden)`` for a head applied outside the model's forward, where an FSDP2-sharded weight is
+    a DTensor: gathered (differentiably) to one tensor first. The same op as ``layer(hidden)`` otherwise."""
+    return F.linear(hidden, full_weight(layer.weight), full_weight(layer.bias))
+
+
+def _sharded() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _first_rank() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+# Full (unsharded) state dicts: gathered to the first rank on the CPU (other ranks get {}), and loaded
+# on every rank, each keeping its shard. The same calls work on a model in one process.
+GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
+FULL = StateDictOptions(full_state_dict=True)
 
 
 @contextlib.contextmanager
@@ -97,7 +148,7 @@ def standard_attention(model: PreTrainedModel):
 
 
 class PolicyModel:
-    """A causal LM as actor or reference: sampling and per-token log-probs at ``temperature``."""
+    """A causal LM as reference or rollout copy: sampling and per-token log-probs at ``temperature``."""
 
     def __init__(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, temperature: float, micro_batch_size: int
@@ -116,8 +167,14 @@ class PolicyModel:
         top_p: float,
         top_k: int,
         ignore_eos: bool = False,
+        seed: int | None = None,
     ) -> list[list[int]]:
-        """Responses (with EOS if generated, without padding), ``num_samples`` per prompt, consecutive."""
+        """Responses (with EOS if generated, without padding), ``num_samples`` per prompt, consecutive.
+
+        ``seed`` reseeds torch's generator here, in the process that samples, so the responses do not
+        depend on where the role runs."""
+        if seed is not None:
+            torch.manual_seed(seed)
         tok = self.tokenizer
         width = max(len(p) for p in prompt_ids)
         ids = torch.full((len(prompt_ids), width), tok.pad_token_id, dtype=torch.long)
@@ -140,6 +197,7 @@ class PolicyModel:
                 num_return_sequences=num_samples,
                 eos_token_id=None if ignore_eos else tok.eos_token_id,
                 pad_token_id=tok.pad_token_id,
+                synced_gpus=_sharded(),  # FSDP2 ranks step together until every rank has finished
             )
         self.model.train(was_training)
         responses = []
@@ -154,66 +212,104 @@ class PolicyModel:
                 responses.append(row)
         return responses
 
-    def log_probs(
+    def log_probs(self, samples: Samples, with_logits: bool = False):
+        """Per-token log-probs ``(B, T)`` of the responses (no gradient, CPU); with ``with_logits`` also
+        the temperature-scaled logits ``(B, T, V)`` at those positions (for the exact "full" KL)."""
+        with torch.no_grad():
+            out = self._log_probs(samples, list(range(len(samples))), with_logits=with_logits)
+        return tuple(x.cpu() for x in out) if with_logits else out.cpu()
+
+    def _log_probs(
         self,
         samples: Samples,
-        idx: list[int] | None = None,
-        grad: bool = False,
+        idx: list[int],
         with_entropy: bool = False,
         with_logits: bool = False,
     ):
-        """Per-token log-probs ``(b, T)`` of the responses of samples ``idx`` (and entropies / logits)."""
-        idx = list(range(len(samples))) if idx is None else idx
+        """Per-token log-probs ``(b, T)`` of the responses of samples ``idx`` on the model's device (and
+        entropies / logits ``(b, T, V)``); differentiable unless the caller disables gradients."""
         lengths = [len(samples.response_ids[i]) for i in idx]
         T = max(lengths)
         max_len = max(len(samples.prompt_ids[i]) + len(samples.response_ids[i]) for i in idx)
         rows = _token_readouts(samples, idx, max_len)
         head = self.model.get_output_embeddings()
         outs, ents, all_logits = [], [], []
-        context = contextlib.nullcontext() if grad else torch.no_grad()
-        with context:
-            for start in range(0, len(rows), self.micro_batch_size):
-                batch = collate(rows[start : start + self.micro_batch_size], self.tokenizer.pad_token_id)
-                batch = batch.to(self.model.device)
-                hidden = readout_hidden(self.model, batch, causal_lm=True)
-                logits = head(hidden).float() / self.temperature
-                logp = torch.log_softmax(logits, -1)
-                token_logp = logp.gather(-1, batch.readout_target[:, None]).squeeze(-1)
-                outs.append(scatter_tokens(token_logp, batch, lengths, T))
-                if with_entropy:
-                    ents.append(scatter_tokens((-(logp.exp() * logp).sum(-1)), batch, lengths, T))
-                if with_logits:
-                    all_logits.append((batch, logits.detach()))
-        result = sum(outs) if len(outs) > 1 else outs[0]
+        for start in range(0, len(rows), self.micro_batch_size):
+            batch = collate(rows[start : start + self.micro_batch_size], self.tokenizer.pad_token_id)
+            batch = batch.to(self.model.device)
+            hidden = readout_hidden(self.model, batch, causal_lm=True)
+            logits = _linear(head, hidden).float() / self.temperature
+            logp = torch.log_softmax(logits, -1)
+            token_logp = logp.gather(-1, batch.readout_target[:, None]).squeeze(-1)
+            outs.append(scatter_tokens(token_logp, batch, lengths, T))
+            if with_entropy:
+                ents.append(scatter_tokens((-(logp.exp() * logp).sum(-1)), batch, lengths, T))
+            if with_logits:
+                all_logits.append(scatter_tokens(logits.detach(), batch, lengths, T))
         extra = []
         if with_entropy:
-            extra.append(sum(ents) if len(ents) > 1 else ents[0])
+            extra.append(_merge(ents))
         if with_logits:
-            extra.append(all_logits)
-        return (result, *extra) if extra else result
+            extra.append(_merge(all_logits))
+        return (_merge(outs), *extra) if extra else _merge(outs)
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """A full state dict (``ActorRole.weights``); each FSDP2 rank keeps its shard."""
+        set_model_state_dict(self.model, state, options=FULL)
+
+    def sync_from(self, source: ActorRole) -> None:
+        """Weight sync: take the trained actor's current weights (a rollout copy does this after each update)."""
+        self.load_weights(source.weights())
 
 
-class ValueModel:
-    """Critic: a sequence-classification model whose score head is read at every response token."""
+@dataclass(frozen=True)
+class PolicyUpdate:
+    """How the actor turns one rollout into optimizer steps (the actor_rollout / algorithm fields)."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, micro_batch_size: int) -> None:
-        self.model, self.tokenizer, self.micro_batch_size = model, tokenizer, micro_batch_size
+    mini_batch_size: int  # samples per optimizer step
+    clip_low: float
+    clip_high: float
+    entropy_coeff: float = 0.0
+    kl_loss_coef: float = 0.0  # > 0: KL to the reference as a loss term (needs PolicyBatch.ref_logprobs)
+    kl_penalty: str = "kl"  # the estimator of that loss term
 
-    def values(self, samples: Samples, idx: list[int] | None = None, grad: bool = False) -> torch.Tensor:
-        idx = list(range(len(samples))) if idx is None else idx
-        lengths = [len(samples.response_ids[i]) for i in idx]
-        T = max(lengths)
-        max_len = max(len(samples.prompt_ids[i]) + len(samples.response_ids[i]) for i in idx)
-        rows = _token_readouts(samples, idx, max_len)
-        outs = []
-        context = contextlib.nullcontext() if grad else torch.no_grad()
-        with context:
-            for start in range(0, len(rows), self.micro_batch_size):
-                batch = collate(rows[start : start + self.micro_batch_size], self.tokenizer.pad_token_id)
-                batch = batch.to(self.model.device)
-                hidden = readout_hidden(self.model, batch, causal_lm=False)
-                outs.append(scatter_tokens(self.model.score(hidden).squeeze(-1).float(), batch, lengths, T))
-        return sum(outs) if len(outs) > 1 else outs[0]
+
+@dataclass(frozen=True)
+class ValueUpdate:
+    """How the critic fits returns (the critic section's fields)."""
+
+    mini_batch_size: int
+    cliprange_value: float | None
+    value_loss_coef: float = 1.0
+
+
+@dataclass
+class PolicyBatch:
+    """What the actor's update needs of one scored rollout; token tensors ``(B, T)`` on the CPU."""
+
+    samples: Samples
+    mask: torch.Tensor
+    old_logprobs: torch.Tensor  # the actor's log-probs at rollout time
+    advantages: torch.Tensor
+    ref_logprobs: torch.Tensor | None  # for the KL loss term
+
+
+@dataclass
+class ValueBatch:
+    """What the critic's update needs of one scored rollout; token tensors ``(B, T)`` on the CPU."""
+
+    samples: Samples
+    mask: torch.Tensor
+    old_values: torch.Tensor  # the critic's values at rollout time (value clipping)
+    returns: torch.Tensor
+
+
+@dataclass
+class UpdateStats:
+    """One role's update over a rollout: metric means over its optimizer steps, and each step's loss."""
+
+    metrics: dict[str, float]
+    losses: list[tuple[int, float]]  # (epoch, loss) per mini-batch, in order
 
 
 class TrainableRole:
@@ -239,18 +335,191 @@ class TrainableRole:
     def step(self) -> float:
         norm = 0.0
         if self.max_grad_norm and self.max_grad_norm > 0:
-            norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
+            total = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+            norm = float(total.full_tensor() if isinstance(total, DTensor) else total)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+    def save(self, directory: str, tokenizer: PreTrainedTokenizerBase, with_optimizer: bool) -> None:
+        """The model in Hugging Face format (+ tokenizer); ``optimizer.pt`` beside it for a checkpoint.
 
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        Every rank of an FSDP2 group calls this (both gathers are collective); the first one writes.
+        The optimizer state is keyed by parameter name, so it loads under any group size."""
+        self.model.save_pretrained(directory)
+        optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=GATHER) if with_optimizer else None
+        if not _first_rank():
+            return
+        tokenizer.save_pretrained(directory)
+        if with_optimizer:
+            state = {"optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
+            torch.save(state, os.path.join(directory, OPTIMIZER_FILE))
+
+    def load(self, directory: str) -> None:
+        from safetensors.torch import load_file
+
+        set_model_state_dict(self.model, load_file(os.path.join(directory, "model.safetensors")), options=FULL)
+        state = torch.load(os.path.join(directory, OPTIMIZER_FILE), weights_only=False)
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=FULL)
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+class ActorRole(PolicyModel):
+    """The trained policy: generation and log-probs, plus its optimizer and the PPO policy update."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        temperature: float,
+        micro_batch_size: int,
+        optim: TrainableRole,
+        settings: PolicyUpdate,
+    ) -> None:
+        super().__init__(model, tokenizer, temperature, micro_batch_size)
+        self.optim, self.settings = optim, settings
+
+    def update(self, batch: PolicyBatch, orders: list[list[int]]) -> UpdateStats:
+        """One pass per order (an epoch) over mini-batches of ``settings.mini_batch_size`` samples; each
+        mini-batch accumulates micro-batches and takes one optimizer step. The loss of every micro-batch
+        is divided by the mini-batch's token count, so the split into micro-batches changes nothing."""
+        u = self.settings
+        names = ("policy_loss", "abs_policy_loss", "clipfrac", "approx_kl", "entropy", "kl_loss")
+        stats: dict[str, list[float]] = {k: [] for k in names}
+        losses = []
+        self.model.train()
+        for epoch, order in enumerate(orders):
+            for mb in _chunks(order, u.mini_batch_size):
+                tokens = batch.mask[mb].sum()
+                totals = dict.fromkeys(names, 0.0)
+                for part in _chunks(mb, self.micro_batch_size):
+                    logp, entropy = self._log_probs(batch.samples, part, with_entropy=True)
+                    T = logp.shape[1]
+                    dev = logp.device
+                    m = batch.mask[part, :T].to(dev)
+                    out = policy_loss(
+                        logp,
+                        batch.old_logprobs[part, :T].to(dev),
+                        batch.advantages[part, :T].to(dev),
+                        m,
+                        u.clip_low,
+                        u.clip_high,
+                        normaliser=tokens,
+                    )
+                    loss = out.loss
+                    ent = (entropy * m).sum() / tokens
+                    if u.entropy_coeff:
+                        loss = loss - u.entropy_coeff * ent
+                    kl_loss = torch.zeros(())
+                    if u.kl_loss_coef and batch.ref_logprobs is not None:
+                        kl = kl_estimate(logp, batch.ref_logprobs[part, :T].to(dev), u.kl_penalty)
+                        kl_loss = (kl * m).sum() / tokens
+                        loss = loss + u.kl_loss_coef * kl_loss
+                    loss.backward()
+                    share = m.sum() / tokens
+                    totals["policy_loss"] += out.loss.item()
+                    totals["clipfrac"] += out.clipfrac.item() * share.item()
+                    totals["approx_kl"] += out.approx_kl.item() * share.item()
+                    totals["entropy"] += ent.item()
+                    totals["kl_loss"] += float(kl_loss.detach())
+                totals["abs_policy_loss"] = abs(totals["policy_loss"])
+                self.optim.step()
+                for k, values in stats.items():
+                    values.append(totals[k])
+                losses.append((epoch, totals["policy_loss"]))
+        return UpdateStats({k: sum(v) / len(v) for k, v in stats.items() if v}, losses)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The current full weights on the CPU, for the rollout copy (FSDP2: gathered; {} on other ranks)."""
+        return get_model_state_dict(self.model, options=GATHER)
+
+    def save(self, directory: str, with_optimizer: bool) -> None:
+        self.optim.save(directory, self.tokenizer, with_optimizer)
+
+    def load(self, directory: str) -> None:
+        self.optim.load(directory)
+
+
+class ValueModel:
+    """Critic: a sequence-classification model whose score head is read at every response token."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, micro_batch_size: int) -> None:
+        self.model, self.tokenizer, self.micro_batch_size = model, tokenizer, micro_batch_size
+
+    def values(self, samples: Samples) -> torch.Tensor:
+        """Per-token values ``(B, T)`` of the states before each response token (no gradient, CPU)."""
+        with torch.no_grad():
+            return self._values(samples, list(range(len(samples)))).cpu()
+
+    def _values(self, samples: Samples, idx: list[int]) -> torch.Tensor:
+        lengths = [len(samples.response_ids[i]) for i in idx]
+        T = max(lengths)
+        max_len = max(len(samples.prompt_ids[i]) + len(samples.response_ids[i]) for i in idx)
+        rows = _token_readouts(samples, idx, max_len)
+        outs = []
+        for start in range(0, len(rows), self.micro_batch_size):
+            batch = collate(rows[start : start + self.micro_batch_size], self.tokenizer.pad_token_id)
+            batch = batch.to(self.model.device)
+            hidden = readout_hidden(self.model, batch, causal_lm=False)
+            outs.append(scatter_tokens(_linear(self.model.score, hidden).squeeze(-1).float(), batch, lengths, T))
+        return _merge(outs)
+
+
+class CriticRole(ValueModel):
+    """The trained critic: values, plus its optimizer and the clipped value-loss update."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        micro_batch_size: int,
+        optim: TrainableRole,
+        settings: ValueUpdate,
+    ) -> None:
+        super().__init__(model, tokenizer, micro_batch_size)
+        self.optim, self.settings = optim, settings
+
+    def update(self, batch: ValueBatch, orders: list[list[int]]) -> UpdateStats:
+        """Mini-batch epochs as ``ActorRole.update``, on ``value_loss_coef`` x the clipped value loss."""
+        u = self.settings
+        losses, clipfracs, per_step = [], [], []
+        self.model.train()
+        for epoch, order in enumerate(orders):
+            for mb in _chunks(order, u.mini_batch_size):
+                tokens = batch.mask[mb].sum()
+                total, frac = 0.0, 0.0
+                for part in _chunks(mb, self.micro_batch_size):
+                    v = self._values(batch.samples, part)
+                    T = v.shape[1]
+                    dev = v.device
+                    m = batch.mask[part, :T].to(dev)
+                    loss, clipfrac = value_loss(
+                        v,
+                        batch.old_values[part, :T].to(dev),
+                        batch.returns[part, :T].to(dev),
+                        m,
+                        u.cliprange_value,
+                        normaliser=tokens,
+                    )
+                    (u.value_loss_coef * loss).backward()
+                    total += loss.item()
+                    frac += clipfrac.item() * (m.sum() / tokens).item()
+                self.optim.step()
+                losses.append(total)
+                clipfracs.append(frac)
+                per_step.append((epoch, total))
+        metrics = {"value_loss": sum(losses) / len(losses), "value_clipfrac": sum(clipfracs) / len(clipfracs)}
+        return UpdateStats(metrics, per_step)
+
+    def save(self, directory: str, with_optimizer: bool) -> None:
+        self.optim.save(directory, self.tokenizer, with_optimizer)
+
+    def load(self, directory: str) -> None:
+        self.optim.load(directory)
 
 
 # --- rewards ------------------------------------------------------------------------------------------
@@ -359,7 +628,9 @@ class ORMReward(RewardFunction):
             batch = collate(rows[start : start + self.micro_batch_size], self.tokenizer.pad_token_id)
             batch = batch.to(self.model.device)
             hidden = readout_hidden(self.model, batch, causal_lm=False)
-            scores[batch.records[batch.readout_example].cpu()] = self.model.score(hidden).squeeze(-1).float().cpu()
+            scores[batch.records[batch.readout_example].cpu()] = (
+                _linear(self.model.score, hidden).squeeze(-1).float().cpu()
+            )
         return RewardOutput(scores)
 
 
@@ -421,7 +692,7 @@ class PRMReward(RewardFunction):
             batch = collate(rows[start : start + self.micro_batch_size], self.tokenizer.pad_token_id)
             batch = batch.to(self.model.device)
             hidden = readout_hidden(self.model, batch, causal_lm=True)
-            logits = F.linear(hidden, head.weight[self.reward_token_ids])
+            logits = F.linear(hidden, full_weight(head.weight)[self.reward_token_ids])
             probs = step_scores(logits).cpu().tolist()
             for e, prob in zip(batch.records[batch.readout_example].tolist(), probs):
                 per_sample[e].append(prob)

@@ -5,7 +5,9 @@
     advantages (KL-shaped rewards, GAE / GRPO / RLOO / REINFORCE++) -> Experience
     update (actor and critic mini-batch epochs) -> step statistics
 
-Not a copy of ``Trainer.train``: each phase is a method that only talks to the role interfaces.
+Not a copy of ``Trainer.train``: each phase is a method that only talks to the role interfaces
+(roles.py) with records and tensors in and statistics out; a role object is the role itself or its
+Ray proxy (ray_roles.py), and nothing here depends on which.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import random
 import shutil
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,15 +34,26 @@ from llm.alignment.ppo.algorithm import (
     kl_estimate,
     masked_mean,
     masked_whiten,
-    policy_loss,
     token_rewards,
-    value_loss,
 )
 from llm.alignment.ppo.config import PPOConfig
-from llm.alignment.ppo.roles import PolicyModel, RewardFunction, Samples, TrainableRole, ValueModel, scatter_tokens
+from llm.alignment.ppo.roles import (
+    ActorRole,
+    CriticRole,
+    PolicyBatch,
+    PolicyModel,
+    RewardFunction,
+    RoleFailure,
+    Samples,
+    UpdateStats,
+    ValueBatch,
+)
 from llm.data.readers import PromptRecord
 from llm.data.tokenize import render_prompt
 from llm.utils.errors import UserError
+
+if TYPE_CHECKING:
+    from llm.alignment.ppo.ray_roles import RemoteRole
 
 logger = logging.getLogger(__name__)
 
@@ -88,25 +102,26 @@ def make_samples(prompts: list[Prompt], responses: list[list[int]], tok) -> Samp
     )
 
 
-def _chunks(items: list[int], size: int) -> list[list[int]]:
-    return [items[i : i + size] for i in range(0, len(items), size)]
-
-
 class PPOTrainer:
+    """The PPO loop over the roles. ``tokenizer`` is the actor's (prompts and responses are its ids);
+    ``rollout_copy`` is a separate generation copy of the actor (Ray, own devices), synced after each
+    update; without one the actor generates with its trained weights."""
+
     def __init__(
         self,
         config: PPOConfig,
         prompts: list[Prompt],
-        actor: PolicyModel,
-        actor_optim: TrainableRole,
-        reward: RewardFunction,
-        ref: PolicyModel | None = None,
-        critic: ValueModel | None = None,
-        critic_optim: TrainableRole | None = None,
+        tokenizer,
+        actor: ActorRole | RemoteRole,
+        reward: RewardFunction | RemoteRole,
+        ref: PolicyModel | RemoteRole | None = None,
+        critic: CriticRole | RemoteRole | None = None,
+        rollout_copy: PolicyModel | RemoteRole | None = None,
     ) -> None:
-        self.c, self.prompts = config, prompts
-        self.actor, self.actor_optim, self.ref = actor, actor_optim, ref
-        self.critic, self.critic_optim, self.reward = critic, critic_optim, reward
+        self.c, self.prompts, self.tokenizer = config, prompts, tokenizer
+        self.actor, self.ref, self.critic, self.reward = actor, ref, critic, reward
+        self.rollout_copy = rollout_copy
+        self.last_checkpoint: str | None = None
         ctl = config.algorithm.kl_ctrl
         self.kl_ctl = (
             FixedKLController(ctl.kl_coef)
@@ -138,9 +153,9 @@ class PPOTrainer:
     # --- phase 1: rollout --------------------------------------------------------------------
     def rollout(self, indices: list[int]) -> Samples:
         a = self.c.actor_rollout
-        torch.manual_seed(self.c.training.seed * 1_000_003 + self.step)  # sampling depends on the step only
         prompts = [self.prompts[i] for i in indices]
-        responses = self.actor.generate(
+        generator = self.actor if self.rollout_copy is None else self.rollout_copy
+        responses = generator.generate(
             [p.ids for p in prompts],
             num_samples=a.num_samples_per_step,
             max_new_tokens=a.max_response_length,
@@ -148,11 +163,12 @@ class PPOTrainer:
             top_p=a.top_p,
             top_k=a.top_k,
             ignore_eos=a.ignore_eos,
+            seed=self.c.training.seed * 1_000_003 + self.step,  # sampling depends on the step only
         )
         return self.make_samples(prompts, responses)
 
     def make_samples(self, prompts: list[Prompt], responses: list[list[int]]) -> Samples:
-        return make_samples(prompts, responses, self.actor.tokenizer)
+        return make_samples(prompts, responses, self.tokenizer)
 
     # --- phase 2: score ----------------------------------------------------------------------
     @torch.no_grad()
@@ -163,10 +179,7 @@ class PPOTrainer:
         if full:
             logprobs, actor_logits = self.actor.log_probs(samples, with_logits=True)
             ref_logprobs, ref_logits = self.ref.log_probs(samples, with_logits=True)
-            kl = torch.zeros_like(mask)
-            for (batch, lp), (_, lq) in zip(actor_logits, ref_logits):
-                lengths = [len(r) for r in samples.response_ids]
-                kl = kl + scatter_tokens(full_kl(lp, lq), batch, lengths, mask.shape[1]).cpu()
+            kl = full_kl(actor_logits, ref_logits)
         else:
             logprobs = self.actor.log_probs(samples)
             ref_logprobs = self.ref.log_probs(samples) if self.ref is not None else None
@@ -182,17 +195,7 @@ class PPOTrainer:
             scores = (scores - self.moments.mean) / self.moments.std
         if rw.reward_clip is not None:
             scores = scores.clamp(-rw.reward_clip, rw.reward_clip)
-        return Scored(
-            samples,
-            mask,
-            logprobs.cpu(),
-            None if ref_logprobs is None else ref_logprobs.cpu(),
-            None if values is None else values.cpu(),
-            (kl * mask).cpu(),
-            scores,
-            raw,
-            out.dense,
-        )
+        return Scored(samples, mask, logprobs, ref_logprobs, values, kl * mask, scores, raw, out.dense)
 
     # --- phase 3: advantages -----------------------------------------------------------------
     def advantages(self, s: Scored) -> Experience:
@@ -219,90 +222,23 @@ class PPOTrainer:
         return [torch.randperm(n, generator=gen).tolist() if shuffle else list(range(n)) for _ in range(epochs)]
 
     def update_actor(self, exp: Experience) -> dict:
-        a, alg, s = self.c.actor_rollout, self.c.algorithm, exp.scored
-        micro = self.c.training.micro_batch_size
-        stats = {
-            "policy_loss": [],
-            "abs_policy_loss": [],
-            "clipfrac": [],
-            "approx_kl": [],
-            "entropy": [],
-            "kl_loss": [],
-        }
-        self.actor.model.train()
-        for epoch, order in enumerate(self._orders(len(s.samples), a.ppo_epochs, a.shuffle_minibatch, 0)):
-            for mb in _chunks(order, a.ppo_mini_batch_size):
-                tokens = s.mask[mb].sum()
-                totals = {k: 0.0 for k in stats}
-                for part in _chunks(mb, micro):
-                    logp, entropy = self.actor.log_probs(s.samples, part, grad=True, with_entropy=True)
-                    T = logp.shape[1]
-                    dev = logp.device
-                    m = s.mask[part, :T].to(dev)
-                    out = policy_loss(
-                        logp,
-                        s.logprobs[part, :T].to(dev),
-                        exp.advantages[part, :T].to(dev),
-                        m,
-                        self.c.clip_low,
-                        self.c.clip_high,
-                        normaliser=tokens,
-                    )
-                    loss = out.loss
-                    ent = (entropy * m).sum() / tokens
-                    if a.entropy_coeff:
-                        loss = loss - a.entropy_coeff * ent
-                    kl_loss = torch.zeros(())
-                    if alg.kl_loss_coef and s.ref_logprobs is not None:
-                        kl_loss = (kl_estimate(logp, s.ref_logprobs[part, :T].to(dev), alg.kl_penalty) * m).sum()
-                        kl_loss = kl_loss / tokens
-                        loss = loss + alg.kl_loss_coef * kl_loss
-                    loss.backward()
-                    share = m.sum() / tokens
-                    totals["policy_loss"] += out.loss.item()
-                    totals["clipfrac"] += out.clipfrac.item() * share.item()
-                    totals["approx_kl"] += out.approx_kl.item() * share.item()
-                    totals["entropy"] += ent.item()
-                    totals["kl_loss"] += float(kl_loss.detach())
-                totals["abs_policy_loss"] = abs(totals["policy_loss"])
-                self.actor_optim.step()
-                for k, values in stats.items():
-                    values.append(totals[k])
-                self.history.append({"step": self.step, "role": "actor", "epoch": epoch, "loss": totals["policy_loss"]})
-        return {k: sum(v) / len(v) for k, v in stats.items() if v}
+        a, s = self.c.actor_rollout, exp.scored
+        batch = PolicyBatch(s.samples, s.mask, s.logprobs, exp.advantages, s.ref_logprobs)
+        orders = self._orders(len(s.samples), a.ppo_epochs, a.shuffle_minibatch, 0)
+        return self._record("actor", self.actor.update(batch, orders))
 
     def update_critic(self, exp: Experience) -> dict:
-        cr, s = self.c.critic, exp.scored
-        micro = self.c.training.micro_batch_size
-        losses, clipfracs = [], []
-        self.critic.model.train()
-        for epoch, order in enumerate(
-            self._orders(len(s.samples), cr.critic_update_epochs, self.c.actor_rollout.shuffle_minibatch, 1)
-        ):
-            for mb in _chunks(order, cr.critic_mini_batch_size):
-                tokens = s.mask[mb].sum()
-                total, frac = 0.0, 0.0
-                for part in _chunks(mb, micro):
-                    v = self.critic.values(s.samples, part, grad=True)
-                    T = v.shape[1]
-                    dev = v.device
-                    m = s.mask[part, :T].to(dev)
-                    loss, clipfrac = value_loss(
-                        v,
-                        s.values[part, :T].to(dev),
-                        exp.returns[part, :T].to(dev),
-                        m,
-                        cr.cliprange_value,
-                        normaliser=tokens,
-                    )
-                    (cr.value_loss_coef * loss).backward()
-                    total += loss.item()
-                    frac += clipfrac.item() * (m.sum() / tokens).item()
-                self.critic_optim.step()
-                losses.append(total)
-                clipfracs.append(frac)
-                self.history.append({"step": self.step, "role": "critic", "epoch": epoch, "loss": total})
-        return {"value_loss": sum(losses) / len(losses), "value_clipfrac": sum(clipfracs) / len(clipfracs)}
+        s = exp.scored
+        batch = ValueBatch(s.samples, s.mask, s.values, exp.returns)
+        orders = self._orders(
+            len(s.samples), self.c.critic.critic_update_epochs, self.c.actor_rollout.shuffle_minibatch, 1
+        )
+        return self._record("critic", self.critic.update(batch, orders))
+
+    def _record(self, role: str, stats: UpdateStats) -> dict:
+        for epoch, loss in stats.losses:
+            self.history.append({"step": self.step, "role": role, "epoch": epoch, "loss": loss})
+        return stats.metrics
 
     # --- the loop ----------------------------------------------------------------------------
     def train_step(self, responses: list[list[int]] | None = None) -> dict:
@@ -322,6 +258,8 @@ class PPOTrainer:
         stats = self.update_actor(exp)
         if self.critic is not None:
             stats.update(self.update_critic(exp))
+        if self.rollout_copy is not None:
+            self.rollout_copy.sync_from(self.actor)
         t4 = time.perf_counter()
         timings = {
             "time/rollout": t1 - t0,
@@ -357,18 +295,29 @@ class PPOTrainer:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=t.max_steps, initial=self.step, disable=t.disable_tqdm, desc="ppo")
-        while self.step < t.max_steps:
-            metrics = self.train_step()
-            bar.update(1)
-            bar.set_postfix(score=f"{metrics['score']:.3f}", kl=f"{metrics['kl']:.3f}")
-            if self.step % t.logging_steps == 0 or self.step == t.max_steps:
-                self.log(metrics)
-            if t.save_steps and self.step % t.save_steps == 0:
-                self.save_checkpoint()
-        bar.close()
-        self.save_final()
-        if self.writer is not None:
-            self.writer.close()
+        try:
+            while self.step < t.max_steps:
+                metrics = self.train_step()
+                bar.update(1)
+                bar.set_postfix(score=f"{metrics['score']:.3f}", kl=f"{metrics['kl']:.3f}")
+                if self.step % t.logging_steps == 0 or self.step == t.max_steps:
+                    self.log(metrics)
+                if t.save_steps and self.step % t.save_steps == 0:
+                    self.save_checkpoint()
+            self.save_final()
+        except RoleFailure as err:
+            # The surviving roles may be mid-update: the last checkpoint is the consistent state to resume.
+            where = (
+                f"the last checkpoint is {self.last_checkpoint}: resume with --resume_from_checkpoint auto"
+                if self.last_checkpoint
+                else "no checkpoint was saved yet (training.save_steps)"
+            )
+            raise RoleFailure(f"{err}\nThe run stopped in step {self.step + 1}; {where}") from None
+        finally:
+            bar.close()
+            if self.writer is not None:
+                self.writer.close()
+                self.writer = None
         return self.log_history
 
     # --- logging and checkpoints -------------------------------------------------------------
@@ -386,26 +335,24 @@ class PPOTrainer:
             for k, v in metrics.items():
                 self.writer.add_scalar(f"ppo/{k}", v, self.step)
 
-    def _save_models(self, directory: str) -> None:
-        tok = self.actor.tokenizer
-        self.actor.model.save_pretrained(os.path.join(directory, "actor"))
-        tok.save_pretrained(os.path.join(directory, "actor"))
+    def _save_models(self, directory: str, with_optimizer: bool) -> None:
+        self.actor.save(os.path.join(directory, "actor"), with_optimizer)
         if self.critic is not None:
-            self.critic.model.save_pretrained(os.path.join(directory, "critic"))
-            tok.save_pretrained(os.path.join(directory, "critic"))
+            self.critic.save(os.path.join(directory, "critic"), with_optimizer)
 
     def save_checkpoint(self) -> str:
+        """``checkpoint-N/``: actor and critic in Hugging Face format with their optimizer state, and
+        ``trainer_state.pt``. Roles in other processes write their own parts (a shared filesystem)."""
         directory = os.path.join(self.c.training.output_dir, f"checkpoint-{self.step}")
-        self._save_models(directory)
+        self._save_models(directory, with_optimizer=True)
         state = {
             "step": self.step,
             "kl_coef": self.kl_ctl.value,
             "moments": (self.moments.mean, self.moments.var, self.moments.count),
-            "actor_optim": self.actor_optim.state_dict(),
-            "critic_optim": self.critic_optim.state_dict() if self.critic_optim else None,
             "log_history": self.log_history,
         }
         torch.save(state, os.path.join(directory, "trainer_state.pt"))
+        self.last_checkpoint = directory
         self._prune()
         return directory
 
@@ -419,24 +366,22 @@ class PPOTrainer:
             shutil.rmtree(os.path.join(out, d))
 
     def save_final(self) -> None:
-        self._save_models(self.c.training.output_dir)
+        self._save_models(self.c.training.output_dir, with_optimizer=False)
         with open(os.path.join(self.c.training.output_dir, "log_history.json"), "w", encoding="utf-8") as f:
             json.dump(self.log_history, f, indent=1)
 
     def load_checkpoint(self, directory: str) -> None:
-        from safetensors.torch import load_file
-
-        self.actor.model.load_state_dict(load_file(os.path.join(directory, "actor", "model.safetensors")))
+        self.actor.load(os.path.join(directory, "actor"))
         if self.critic is not None:
-            self.critic.model.load_state_dict(load_file(os.path.join(directory, "critic", "model.safetensors")))
+            self.critic.load(os.path.join(directory, "critic"))
+        if self.rollout_copy is not None:
+            self.rollout_copy.sync_from(self.actor)
         state = torch.load(os.path.join(directory, "trainer_state.pt"), weights_only=False)
         self.step = state["step"]
         self.kl_ctl.value = state["kl_coef"]
         self.moments.mean, self.moments.var, self.moments.count = state["moments"]
-        self.actor_optim.load_state_dict(state["actor_optim"])
-        if self.critic_optim is not None and state["critic_optim"] is not None:
-            self.critic_optim.load_state_dict(state["critic_optim"])
         self.log_history = state["log_history"]
+        self.last_checkpoint = directory
         logger.info("resumed from %s at step %d", directory, self.step)
 
 
