@@ -16,6 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from llm.alignment.ppo.config import PPOConfig
+from llm.alignment.ppo.offload import OffloadedTrainableRole, offload_when_idle
 from llm.alignment.ppo.roles import (
     ActorRole,
     CriticRole,
@@ -48,9 +49,23 @@ class Place:
     layout: Layout | None = None
 
 
-def _optim(c: PPOConfig, model, role: str) -> TrainableRole:
+def _optim(c: PPOConfig, model, role: str, place: Place) -> TrainableRole:
     t = c.training
-    return TrainableRole(
+    cls = TrainableRole
+    if t.adam_offload:
+        if place.layout is not None:
+            raise UserError(
+                f"training.adam_offload with {role} sharded over an FSDP2 group: not supported; give {role} one "
+                "device, or use the group's own offload (sharding offload) instead"
+            )
+        if torch.device(place.device).type == "cpu":
+            logger.info(
+                "training.adam_offload: %s runs on the CPU, its optimizer state is in host memory already", role
+            )
+        else:
+            logger.info("training.adam_offload: %s keeps its AdamW state (fp32 master + moments) on the host", role)
+            cls = OffloadedTrainableRole
+    return cls(
         model,
         c.lr(role),
         t.weight_decay,
@@ -61,8 +76,27 @@ def _optim(c: PPOConfig, model, role: str) -> TrainableRole:
     )
 
 
-def _dtype(c: PPOConfig) -> torch.dtype:
+def _dtype(c: PPOConfig, frozen: str | None = None) -> torch.dtype:
+    """The trained models' dtype (``training.bf16``), or a frozen role's own ``dtype`` when it sets one."""
+    if frozen is not None:
+        return getattr(torch, frozen)
     return torch.bfloat16 if c.training.bf16 else torch.float32
+
+
+def _offload_idle(c: PPOConfig, role, model, name: str, place: Place, methods: tuple[str, ...]):
+    """``offload_when_idle`` when ``<name>.offload`` asks for it and there is a device to leave."""
+    if not getattr(c, name).offload:
+        return role
+    if place.layout is not None:
+        raise UserError(
+            f"{name}.offload with {name} sharded over an FSDP2 group: not supported; give {name} one device, or "
+            "leave the shards where they are (each rank holds only its part)"
+        )
+    if torch.device(place.device).type == "cpu":
+        logger.info("%s.offload: %s runs on the CPU, nothing to offload", name, name)
+        return role
+    logger.info("%s.offload: the %s model stays in host memory between its forwards", name, name)
+    return offload_when_idle(role, model, place.device, methods)
 
 
 def actor_tokenizer(c: PPOConfig):
@@ -70,14 +104,25 @@ def actor_tokenizer(c: PPOConfig):
     return load_tokenizer(a.tokenizer_name_or_path or a.model_name_or_path)
 
 
-def _load(c: PPOConfig, auto_class: type, path: str, from_config: bool, tok, place: Place, trained: bool, **kw):
-    """One of the run's models on ``place``: trained (gradient checkpointing as configured) or frozen."""
+def _load(
+    c: PPOConfig,
+    auto_class: type,
+    path: str,
+    from_config: bool,
+    tok,
+    place: Place,
+    trained: bool,
+    dtype: str | None = None,
+    **kw,
+):
+    """One of the run's models on ``place``: trained (gradient checkpointing as configured) or frozen
+    (in ``dtype`` when given)."""
     model = load_model(
         auto_class,
         path,
         init_from_config=from_config,
         seed=c.training.seed,
-        dtype=_dtype(c),
+        dtype=_dtype(c, dtype),
         pad_token_id=tok.pad_token_id,
         layout=place.layout,
         **kw,
@@ -103,9 +148,10 @@ def build_reward(c: PPOConfig, place: Place) -> RewardFunction:
             tok,
             place,
             False,
+            r.dtype,
             num_labels=1,
         )
-        return ORMReward(model, tok, actor_tokenizer(c), micro)
+        return _offload_idle(c, ORMReward(model, tok, actor_tokenizer(c), micro), model, "reward", place, ("score",))
     tokens = [t.strip() for t in r.reward_tokens.split(",")]
     if len(tokens) != 2:
         raise UserError(f"reward.reward_tokens must be 'positive,negative', got {r.reward_tokens!r}")
@@ -114,8 +160,8 @@ def build_reward(c: PPOConfig, place: Place) -> RewardFunction:
         single_token_id(tok, tokens[1], "reward.reward_tokens"),
     )
     placeholder_id = single_token_id(tok, r.placeholder_token, "reward.placeholder_token")
-    model = _load(c, AutoModelForCausalLM, r.model_name_or_path, r.init_from_config, tok, place, False)
-    return PRMReward(
+    model = _load(c, AutoModelForCausalLM, r.model_name_or_path, r.init_from_config, tok, place, False, r.dtype)
+    prm = PRMReward(
         model,
         tok,
         actor_tokenizer(c),
@@ -126,6 +172,7 @@ def build_reward(c: PPOConfig, place: Place) -> RewardFunction:
         r.prm_aggregation,
         micro,
     )
+    return _offload_idle(c, prm, model, "reward", place, ("score",))
 
 
 def policy_update(c: PPOConfig) -> PolicyUpdate:
@@ -144,7 +191,7 @@ def build_actor(c: PPOConfig, place: Place) -> ActorRole:
     a, tok = c.actor_rollout, actor_tokenizer(c)
     model = _load(c, AutoModelForCausalLM, a.model_name_or_path, a.init_from_config, tok, place, True)
     micro = c.training.micro_batch_size
-    return ActorRole(model, tok, a.temperature, micro, _optim(c, model, "actor_rollout"), policy_update(c))
+    return ActorRole(model, tok, a.temperature, micro, _optim(c, model, "actor_rollout", place), policy_update(c))
 
 
 def build_ref(c: PPOConfig, place: Place) -> PolicyModel:
@@ -152,13 +199,14 @@ def build_ref(c: PPOConfig, place: Place) -> PolicyModel:
     a, tok = c.actor_rollout, actor_tokenizer(c)
     path = c.ref.model_name_or_path or a.model_name_or_path
     from_config = a.init_from_config if path == a.model_name_or_path else c.ref.init_from_config
-    model = _load(c, AutoModelForCausalLM, path, from_config, tok, place, False)
+    model = _load(c, AutoModelForCausalLM, path, from_config, tok, place, False, c.ref.dtype)
     if (
         path != a.model_name_or_path
         and model.config.vocab_size != AutoConfig.from_pretrained(a.model_name_or_path).vocab_size
     ):
         raise UserError("ref and actor_rollout models have different vocabularies: the reference must be the SFT model")
-    return PolicyModel(model, tok, a.temperature, c.training.micro_batch_size)
+    ref = PolicyModel(model, tok, a.temperature, c.training.micro_batch_size)
+    return _offload_idle(c, ref, model, "ref", place, ("log_probs",))
 
 
 def build_rollout(c: PPOConfig, place: Place) -> PolicyModel:
@@ -178,7 +226,7 @@ def build_critic(c: PPOConfig, place: Place) -> CriticRole:
     else:
         path, from_config = c.actor_rollout.model_name_or_path, c.actor_rollout.init_from_config
     model = _load(c, AutoModelForSequenceClassification, path, from_config, tok, place, True, num_labels=1)
-    return CriticRole(model, tok, t.micro_batch_size, _optim(c, model, "critic"), value_update(c))
+    return CriticRole(model, tok, t.micro_batch_size, _optim(c, model, "critic", place), value_update(c))
 
 
 BUILDERS = {

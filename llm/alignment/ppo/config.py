@@ -36,7 +36,21 @@ class TrainingSection:
     save_total_limit: int | None = None
     resume_from_checkpoint: str | None = None
     bf16: bool = False
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata={
+            "help": "activation checkpointing of actor and critic in their update forwards (transformers' "
+            "non-reentrant checkpointing): activations are recomputed in backward instead of stored"
+        },
+    )
+    adam_offload: bool = field(
+        default=False,
+        metadata={
+            "help": "keep the AdamW state of actor and critic (fp32 master weights and both moments, ~12 B/param) "
+            "in host memory and run the optimizer step there: gradients are copied to the host, the new weights "
+            "back. Nothing to move when the role runs on the CPU (noted in the log)"
+        },
+    )
     report_to: str = "tensorboard"
     disable_tqdm: bool = False
     micro_batch_size: int = 8
@@ -82,12 +96,39 @@ class CriticSection(ModelSection):
 
 @dataclass
 class RefSection(ModelSection):
-    pass
+    dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "weights of this frozen model: float32 or bfloat16 (half the memory, scores to bf16 "
+            "precision); null: as the trained models (bfloat16 with training.bf16, else float32)"
+        },
+    )
+    offload: bool = field(
+        default=False,
+        metadata={
+            "help": "keep this frozen model in host memory between its forwards, moving it to its device for "
+            "each call and back after; nothing to move when it runs on the CPU (noted in the log)"
+        },
+    )
 
 
 @dataclass
 class RewardSection(ModelSection):
     type: str = "rule"  # orm | prm | rule | http
+    dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "weights of this frozen model: float32 or bfloat16 (half the memory, scores to bf16 "
+            "precision); null: as the trained models (bfloat16 with training.bf16, else float32)"
+        },
+    )
+    offload: bool = field(
+        default=False,
+        metadata={
+            "help": "keep this frozen model in host memory between its forwards, moving it to its device for "
+            "each call and back after; nothing to move when it runs on the CPU (noted in the log)"
+        },
+    )
     rule: str = "llm.alignment.ppo.rules:math_exact_match"
     url: str | None = None
     timeout: float = 30.0
@@ -335,7 +376,33 @@ def validate_ppo_config(c: PPOConfig, path: str) -> None:
         raise UserError(
             f"{path}: num_samples_per_step > 1 with do_sample false gives identical samples: set do_sample true"
         )
+    validate_memory(c, path)
     validate_resource_pool(c.resource_pool, path)
+
+
+FROZEN_DTYPES = ("float32", "bfloat16")
+
+
+def validate_memory(c: PPOConfig, path: str) -> None:
+    """The memory savers: booleans, and the frozen roles' dtypes."""
+    for name in ("gradient_checkpointing", "adam_offload"):
+        if not isinstance(getattr(c.training, name), bool):
+            raise UserError(f"{path}: training.{name} must be true or false, got {getattr(c.training, name)!r}")
+    for role in ("ref", "reward"):
+        section = getattr(c, role)
+        if section.dtype is not None and section.dtype not in FROZEN_DTYPES:
+            raise UserError(
+                f"{path}: {role}.dtype must be float32, bfloat16 or null (as the trained models), got {section.dtype!r}"
+            )
+        if not isinstance(section.offload, bool):
+            raise UserError(f"{path}: {role}.offload must be true or false, got {section.offload!r}")
+    if c.reward.type in ("rule", "http"):
+        for name, value, default in (("dtype", c.reward.dtype, None), ("offload", c.reward.offload, False)):
+            if value != default:
+                raise UserError(
+                    f"{path}: reward.{name} applies to a reward model (type orm or prm); reward.type is "
+                    f"{c.reward.type!r}, which has none"
+                )
 
 
 def validate_resource_pool(pool: ResourcePool, path: str) -> None:

@@ -1,0 +1,146 @@
+"""OpenLLaMA2's memory savers for PPO, in plain torch.
+
+- ``HostAdamW``: AdamW whose fp32 master weights and moments live in host memory; a step copies the
+  device gradients to the host (D2H), steps there, and copies the new weights back (H2D). The device
+  then holds only the model's weights and gradients (``training.adam_offload``).
+- ``OffloadedTrainableRole``: a ``TrainableRole`` over a ``HostAdamW``, with checkpoints in the same
+  name-keyed format as the plain role (either loads the other's ``optimizer.pt``).
+- ``offload_when_idle``: a frozen role (reference, reward model) sits in host memory between calls and
+  moves to its device for each forward (``ref.offload`` / ``reward.offload``).
+
+On a CPU-only run the builders skip all of this (there is nothing to move) and say so in the log;
+the copy logic itself runs whatever the devices are, so tests on the CPU exercise it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from llm.alignment.ppo.roles import OPTIMIZER_FILE, TrainableRole
+
+logger = logging.getLogger(__name__)
+
+HOST = torch.device("cpu")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class HostAdamW(torch.optim.AdamW):
+    """AdamW over fp32 master copies of ``params`` kept on ``host``; ``step`` updates the model's own
+    (device) parameters. With fp32 parameters the updates equal ``torch.optim.AdamW``'s exactly; with
+    bf16 parameters the master copies make it mixed precision (bf16 weights, fp32 state)."""
+
+    def __init__(self, params, *, host: torch.device | str = HOST, **adamw) -> None:
+        self.host = torch.device(host)
+        self.params = [p for p in params if p.requires_grad]
+        # copy=True: the master is a separate tensor even when the model is already fp32 on the host.
+        self.masters = [
+            torch.nn.Parameter(_local(p).detach().to(self.host, torch.float32, copy=True)) for p in self.params
+        ]
+        super().__init__(self.masters, **adamw)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("HostAdamW.step takes no closure")
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else _local(p.grad).to(self.host, torch.float32, copy=True)  # D2H
+        super().step()
+        for p, m in zip(self.params, self.masters):
+            _local(p).copy_(m, non_blocking=True)  # H2D (cast to the model's dtype)
+        if any(p.device.type == "cuda" for p in self.params):
+            torch.cuda.synchronize()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def state_by_name(self, names: dict[int, str]) -> dict:
+        """The state in ``get_optimizer_state_dict``'s full format: keyed by parameter name."""
+        sd = self.state_dict()
+        key = [names[id(p)] for p in self.params]
+        groups = [{**g, "params": [key[i] for i in g["params"]]} for g in sd["param_groups"]]
+        return {"state": {key[i]: s for i, s in sd["state"].items()}, "param_groups": groups}
+
+    def load_state_by_name(self, state: dict, names: dict[int, str]) -> None:
+        index = {names[id(p)]: i for i, p in enumerate(self.params)}
+        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]
+        self.load_state_dict({"state": {index[n]: s for n, s in state["state"].items()}, "param_groups": groups})
+
+
+class OffloadedTrainableRole(TrainableRole):
+    """``TrainableRole`` with its optimizer state on the host (``HostAdamW``)."""
+
+    def __init__(self, model, lr, weight_decay, betas, eps, max_grad_norm, warmup_steps, host=HOST) -> None:
+        super().__init__(model, lr, weight_decay, betas, eps, max_grad_norm, warmup_steps)
+        # Replaces the plain AdamW before its first step, so no device state was ever allocated.
+        self.optimizer = HostAdamW(
+            model.parameters(), host=host, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda n: min(1.0, (n + 1) / warmup_steps) if warmup_steps else 1.0
+        )
+
+    def _names(self) -> dict[int, str]:
+        return {id(p): n for n, p in self.model.named_parameters()}
+
+    def save(self, directory: str, tokenizer, with_optimizer: bool) -> None:
+        self.model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        if with_optimizer:
+            state = {"optimizer": self.optimizer.state_by_name(self._names()), "scheduler": self.scheduler.state_dict()}
+            torch.save(state, os.path.join(directory, OPTIMIZER_FILE))
+
+    def load(self, directory: str) -> None:
+        from safetensors.torch import load_file
+
+        weights = load_file(os.path.join(directory, "model.safetensors"))
+        self.model.load_state_dict(weights, strict=False)
+        with torch.no_grad():  # the masters follow the loaded weights
+            for p, m in zip(self.optimizer.params, self.optimizer.masters):
+                m.copy_(_local(p))
+        state = torch.load(os.path.join(directory, OPTIMIZER_FILE), weights_only=False)
+        self.optimizer.load_state_by_name(state["optimizer"], self._names())
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def offload_when_idle(role, model: torch.nn.Module, device: torch.device | str, methods: tuple[str, ...]):
+    """Keep ``model`` on the host between calls of ``role``'s ``methods``: each call moves it to
+    ``device`` first and back to the host after. ``role.offload_moves`` counts the moves (onload,
+    offload) and ``role.offloaded`` says where the model is now."""
+    device = torch.device(device)
+    role.offload_moves = [0, 0]
+
+    def place(where: torch.device, k: int) -> None:
+        model.to(where)
+        role.offload_moves[k] += 1
+        role.offloaded = where == HOST
+        if where == HOST and device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    for name in methods:
+        method = getattr(role, name)
+
+        @functools.wraps(method)
+        def call(*args, _method=method, **kwargs):
+            place(device, 0)
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                place(HOST, 1)
+
+        setattr(role, name, call)
+    place(HOST, 1)
+    role.offload_moves = [0, 0]
+    return role
