@@ -95,7 +95,9 @@ class CriticSection(ModelSection):
 
 
 @dataclass
-class RefSection(ModelSection):
+class FrozenModelSection(ModelSection):
+    """A role whose model is not trained (reference, reward)."""
+
     dtype: str | None = field(
         default=None,
         metadata={
@@ -113,22 +115,13 @@ class RefSection(ModelSection):
 
 
 @dataclass
-class RewardSection(ModelSection):
+class RefSection(FrozenModelSection):
+    pass
+
+
+@dataclass
+class RewardSection(FrozenModelSection):
     type: str = "rule"  # orm | prm | rule | http
-    dtype: str | None = field(
-        default=None,
-        metadata={
-            "help": "weights of this frozen model: float32 or bfloat16 (half the memory, scores to bf16 "
-            "precision); null: as the trained models (bfloat16 with training.bf16, else float32)"
-        },
-    )
-    offload: bool = field(
-        default=False,
-        metadata={
-            "help": "keep this frozen model in host memory between its forwards, moving it to its device for "
-            "each call and back after; nothing to move when it runs on the CPU (noted in the log)"
-        },
-    )
     rule: str = "llm.alignment.ppo.rules:math_exact_match"
     url: str | None = None
     timeout: float = 30.0
