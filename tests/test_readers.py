@@ -104,7 +104,7 @@ def test_every_format_reads_the_same_records(tmp_path, kind, records):
 
 
 def test_sample_files_read():
-    assert len(read_records(SAMPLE_DIR / "prm_train.jsonl", "prm")) == 1500
+    assert len(read_records(SAMPLE_DIR / "prm_train.jsonl", "prm")) == 6000
     path = SAMPLE_DIR / "pairs_train.jsonl"
     pairs = read_records(str(path), "pair")
     two_turn = sum(len(json.loads(line)["src"]) == 2 for line in path.read_text().splitlines())

@@ -98,8 +98,9 @@ def test_train_eval_reload_and_eval_only(tmp_path, mode):
 
     auto = AutoModelForCausalLM if mode == "prm" else AutoModelForSequenceClassification
     extra = {} if mode == "prm" else {"num_labels": 1}
+    model_dir = read_json(os.path.join(ROOT, "llm", "config", "tiny", name))["model_name_or_path"]
     init = load_model(
-        auto, os.path.join(ROOT, "llm", "assets", "tiny-llama"), init_from_config=True, seed=42, pad_token_id=0, **extra
+        auto, os.path.join(ROOT, model_dir), init_from_config=True, seed=42, pad_token_id=0, **extra
     ).state_dict()
     trained = load_file(out / "model.safetensors")
     assert max((trained[k] - init[k]).abs().max().item() for k in trained) > 1e-4

@@ -75,6 +75,26 @@ def expected_labels(context: list[str], steps: list[str]) -> list[str]:
     return labels
 
 
+def first_error(context: list[str], steps: list[str]) -> tuple[int | None, str]:
+    """The first unsound step (as ``expected_labels`` judges it) and why: "echo" (the result just
+    repeats the number before "="), "result" (other wrong arithmetic), "carry" (an operand seen
+    nowhere earlier, the arithmetic right) or "answer"; ``(None, "none")`` for a sound solution."""
+    available = {int(x) for text in context for x in re.findall(r"\d+", text)}
+    last = None
+    for i, step in enumerate(steps):
+        answer = ANSWER.match(step)
+        if answer:
+            return (None, "none") if int(answer.group(1)) == last else (i, "answer")
+        a, op, b, c = (int(x) if x.isdigit() else x for x in EQUATION.findall(step)[0])
+        if a not in available or b not in available:
+            return i, "carry"
+        if not _equation_holds(a, op, b, c):
+            return i, "echo" if c == b else "result"
+        available.add(c)
+        last = c
+    raise AssertionError(f"no answer step: {steps}")
+
+
 def test_checker_on_hand_made_steps():
     q = ["Tony buys 3 kg of cheese at 4 dollars per kg and 2 kg of beef at 5 dollars per kg."]
     good = [
@@ -90,6 +110,17 @@ def test_checker_on_hand_made_steps():
     ]
     assert expected_labels(q, wrong_copy) == ["+", "+", "-", "-"]
     assert expected_labels(q, good[:3] + ["The answer is 21."]) == ["+", "+", "+", "-"]
+    echo = [
+        "Cheese costs 3 * 4 = 4 dollars.",
+        "Beef costs 2 * 5 = 10 dollars.",
+        "In total he pays 4 + 10 = 14 dollars.",
+    ]
+    assert expected_labels(q, echo + ["The answer is 14."]) == ["-"] * 4
+    assert first_error(q, good) == (None, "none")
+    assert first_error(q, echo + ["The answer is 14."]) == (0, "echo")
+    assert first_error(q, wrong_copy) == (2, "carry")
+    assert first_error(q, good[:2] + ["In total he pays 12 + 10 = 21 dollars.", "The answer is 21."]) == (2, "result")
+    assert first_error(q, good[:3] + ["The answer is 21."]) == (3, "answer")
 
 
 # --- (a) the seed example ----------------------------------------------------------------
@@ -188,6 +219,31 @@ def test_prompts_and_split_disjointness():
         assert len(set(dev_q)) == len(dev_q), name
         assert not train_q & set(dev_q), name
     assert sum(p.stat().st_size for p in SAMPLE_DIR.iterdir()) < 3_000_000
+
+
+def _readme_kinds(name: str) -> dict[str, int]:
+    text = " ".join((SAMPLE_DIR / "README.md").read_text(encoding="utf-8").split())
+    listed = re.search(rf"in `{name}`: ([a-z0-9:, ]+)[;.]", text).group(1)
+    return {k: int(v) for k, v in (item.split(": ") for item in listed.split(", "))}
+
+
+@pytest.mark.parametrize("name", ["prm_train", "prm_dev"])
+def test_prm_error_kinds(name):
+    """The PRM error mix, recomputed from the text: mostly echoes (at any equation position);
+    results off and wrong copies only in the last equation; the counts are the README's."""
+    kinds, echo_steps = {}, set()
+    for rec in _read(name):
+        steps = rec["responses"]
+        step, kind = first_error(rec["src"], steps)
+        kinds[kind] = kinds.get(kind, 0) + 1
+        if kind == "echo":
+            echo_steps.add(step)
+        elif kind in ("result", "carry"):
+            assert step == len(steps) - 2, (name, rec)  # the last equation
+    assert kinds == _readme_kinds(name)
+    wrong = sum(kinds.values()) - kinds["none"]
+    assert kinds["echo"] > 0.6 * wrong and min(kinds.values()) > 0, kinds
+    assert echo_steps == {0, 1, 2, 3}, echo_steps  # from the first equation to the fourth
 
 
 # --- (d) determinism ------------------------------------------------------------------------

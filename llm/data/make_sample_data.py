@@ -10,15 +10,24 @@ seeds), so the files are byte-identical on every run and every machine. Numbers 
 CPU minutes can learn to spot a wrong step.
 
 A solution is a list of steps; each computational step shows one equation ``a op b = c``
-and the last step is ``The answer is c.``. A wrong solution carries exactly one error at a
-random step and then follows the wrong value honestly, which gives Math-Shepherd style
-labels: a step is ``+`` only if it and every earlier step are right, so the first wrong step
-and every later step are ``-``. Error kinds:
+and the last step is ``The answer is c.``. A wrong solution carries exactly one error and
+then follows the wrong value honestly, which gives Math-Shepherd style labels: a step is
+``+`` only if it and every earlier step are right, so the first wrong step and every later
+step are ``-``. Error kinds:
 
+- ``echo``: the result just repeats the number before ``=`` (``3 * 4 = 4``; PRM files only);
 - ``result``: the equation's result is off by 1-3 (``3 * 4 = 13``);
 - ``carry``: an earlier result is copied wrongly into the equation (the operand matches no
   number of the question and no earlier result), the arithmetic itself is right;
 - ``answer``: the final answer does not repeat the last result.
+
+The pair files draw ``result`` (at any step), ``carry`` and ``answer`` errors. The PRM files
+use their own mix, ``PRM_ERROR_MIX``, chosen so that the tiny CPU demo model visibly learns
+in minutes: mostly ``echo`` errors, at any step whose second operand is a (one-digit) number
+of the question, so spotting one compares two digits a fixed three tokens apart, which a
+2-layer model learns quickly (multiplication tables and comparisons across steps take it far
+longer); and some ``result``, ``carry`` (both in the last equation) and ``answer`` errors,
+which it mostly does not learn to detect in that time.
 
 Files (formats in docs REFERENCE section 2): ``prm_train.jsonl`` / ``prm_dev.jsonl``
 (PRM steps and labels), ``pairs_train.jsonl`` / ``pairs_dev.jsonl`` (chosen / rejected full
@@ -42,7 +51,7 @@ SAMPLE_DIR = Path(__file__).resolve().parent / "sample"
 SEED = 20240611
 PLACEHOLDER = "ки"  # PRM step placeholder; must never occur inside a step's own text
 
-N_PRM_TRAIN = 1500
+N_PRM_TRAIN = 6000
 N_PRM_DEV = 300
 N_PAIRS_TRAIN = 800
 N_PAIRS_DEV = 200
@@ -50,9 +59,14 @@ N_PROMPTS = 300
 P_WRONG = 0.5  # share of PRM solutions that carry an error
 P_MULTI_TURN = 0.1  # share of pair records with a two-turn history
 MAX_VALUE = 99  # every shown number stays in [0, MAX_VALUE]
-# Error mix: mostly wrong results, which a tiny model can check locally from "a op b = c".
+# Error mix of the wrong solutions in the pair files.
 P_ANSWER_ERROR = 0.15  # final answer does not repeat the last result
 P_CARRY_ERROR = 0.3  # of errors at a step whose left operand is an earlier result
+# Error mix of the PRM files (see the module docstring): kind -> weight.
+PRM_ERROR_MIX = {"echo": 0.75, "result": 0.1, "carry": 0.05, "answer": 0.1}
+# prm_train: the first records are drawn before the pair files (which skip their questions), the
+# rest after every other file, so that a larger PRM set leaves the pair and prompt files unchanged.
+N_PRM_TRAIN_FIRST = 1500
 
 
 class Ref(NamedTuple):
@@ -82,12 +96,14 @@ class Problem:
 
 
 class Error(NamedTuple):
-    """One injected error: ``kind`` is "result", "carry" or "answer"; ``step`` the index of
-    the first wrong step; ``delta`` the offset of the wrong number."""
+    """One injected error: ``kind`` is "echo", "result", "carry" or "answer"; ``step`` the
+    index of the first wrong step; ``delta`` the offset of the wrong number ("result", "carry",
+    "answer"); ``side`` the operand a "carry" error miscopies (0 left, 1 right)."""
 
     kind: str
     step: int
     delta: int
+    side: int = 0
 
 
 _EQ = "{a} {op} {b} = {c}"
@@ -303,25 +319,33 @@ SEED_PROBLEM = Problem(
 SEED_ERROR = Error("result", 2, 1)  # "12 + 10 = 23": labels + + - -
 
 
-def _render(problem: Problem, error: Error | None) -> tuple[list[str], list[str], int] | None:
+def _render(problem: Problem, error: Error | None, prm: bool = False) -> tuple[list[str], list[str], int] | None:
     """Steps, labels and the shown final answer; None if a number leaves [0, MAX_VALUE], a
-    division is not exact, or the error would not be visible in the text."""
+    division is not exact, or the error would not be visible in the text (``prm``: or a
+    "result" error would read as an "echo")."""
     shown: list[int] = []
     texts: list[str] = []
     for i, step in enumerate(problem.steps):
-        a, b = (shown[x.step] if isinstance(x, Ref) else x for x in (step.left, step.right))
+        ab = [shown[x.step] if isinstance(x, Ref) else x for x in (step.left, step.right)]
         if error and error.kind == "carry" and error.step == i:
-            if not isinstance(step.left, Ref) or step.op == "/":
+            if not isinstance((step.left, step.right)[error.side], Ref):
                 return None
-            a += error.delta
+            ab[error.side] += error.delta
             # The wrong copy must be visibly wrong: no question number, no earlier result.
-            if a in _numbers(problem.question) or a in shown:
+            if ab[error.side] in _numbers(problem.question) or ab[error.side] in shown:
                 return None
+        a, b = ab
         c = _OPS[step.op](a, b)
         if c is None:
             return None
         if error and error.kind == "result" and error.step == i:
             c += error.delta
+            if prm and c == b:
+                return None
+        if error and error.kind == "echo" and error.step == i:
+            if b == c:  # repeating the operand would be the right result (1 * 4 = 4)
+                return None
+            c = b
         if not all(0 <= v <= MAX_VALUE for v in (a, b, c)):
             return None
         shown.append(c)
@@ -368,6 +392,36 @@ def _solve(rng: random.Random, problem: Problem, wrong: bool) -> tuple[list[str]
     return None
 
 
+def _random_prm_error(rng: random.Random, problem: Problem) -> Error:
+    """An error for a PRM solution, its kind drawn by ``PRM_ERROR_MIX``: ``echo`` at any step
+    whose second operand is a question number, ``result`` and ``carry`` in the last equation,
+    ``answer`` at the answer."""
+    kinds, weights = zip(*PRM_ERROR_MIX.items())
+    kind = rng.choices(kinds, weights)[0]
+    delta = rng.choice([-3, -2, -1, 1, 2, 3])
+    last = len(problem.steps) - 1
+    operands = (problem.steps[last].left, problem.steps[last].right)
+    carried = [side for side, x in enumerate(operands) if isinstance(x, Ref)]
+    if kind == "echo":  # at a step whose second operand is a number of the question
+        return Error("echo", rng.choice([i for i, st in enumerate(problem.steps) if not isinstance(st.right, Ref)]), 0)
+    if kind == "answer":
+        return Error("answer", len(problem.steps), delta)
+    if kind == "carry" and carried:
+        return Error("carry", last, delta, rng.choice(carried))
+    return Error("result", last, delta)
+
+
+def _solve_prm(rng: random.Random, problem: Problem) -> tuple[list[str], list[str], int, Error]:
+    """A PRM solution with one visible error drawn by ``_random_prm_error`` (a final answer
+    off by one if 20 draws do not work out: +1 or -1 always stays in range)."""
+    tries = [_random_prm_error(rng, problem) for _ in range(20)]
+    for error in tries + [Error("answer", len(problem.steps), d) for d in (1, -1)]:
+        out = _render(problem, error, prm=True)
+        if out is not None:
+            return (*out, error)
+    raise AssertionError("unreachable")
+
+
 def _draw(rng: random.Random, seen: set[str], wrong: bool) -> tuple[Problem, tuple] | None:
     problem = rng.choice(_TEMPLATES)(rng)
     if problem.question in seen:
@@ -381,7 +435,9 @@ def _draw(rng: random.Random, seen: set[str], wrong: bool) -> tuple[Problem, tup
 # --- the files -------------------------------------------------------------------------------
 
 
-def make_prm(rng: random.Random, n: int, seen: set[str], with_seed: bool) -> tuple[list[dict], Counter]:
+def make_prm(
+    rng: random.Random, errors_rng: random.Random, n: int, seen: set[str], with_seed: bool
+) -> tuple[list[dict], Counter]:
     records, kinds = [], Counter()
     if with_seed:
         steps, labels, _ = _render(SEED_PROBLEM, SEED_ERROR)
@@ -396,10 +452,14 @@ def make_prm(rng: random.Random, n: int, seen: set[str], with_seed: bool) -> tup
         seen.add(SEED_PROBLEM.question)
         kinds[SEED_ERROR.kind] += 1
     while len(records) < n:
+        # ``rng`` draws the questions exactly as the pair files were first made against (an
+        # error of the pair mix included); ``errors_rng`` draws the PRM error.
         drawn = _draw(rng, seen, wrong=rng.random() < P_WRONG)
         if drawn is None:
             continue
         problem, (steps, labels, _, error) = drawn
+        if error is not None:  # an error of the pair mix: replaced by one of the PRM mix
+            steps, labels, _, error = _solve_prm(errors_rng, problem)
         seen.add(problem.question)
         kinds[error.kind if error else "none"] += 1
         records.append({"src": [problem.question], "tgt": [], "responses": steps, "labels": labels})
@@ -485,9 +545,10 @@ def _readme(files: dict[str, list[dict]], kinds: dict[str, Counter]) -> str:
         "",
         "Question operands are 1-9 and every shown number is 0-99. A solution is 2-5 steps:",
         "equations such as `Cheese costs 3 * 4 = 12 dollars.` and a last step",
-        "`The answer is 22.`. A wrong solution has one error (a result off by 1-3, an earlier",
-        "result copied wrongly, or a final answer that does not repeat the last result) and then",
-        "follows the wrong value. Dev questions never occur in any train file.",
+        "`The answer is 22.`. A wrong solution has one error and then follows the wrong value:",
+        "`echo` (the result just repeats the number before `=`: `3 * 4 = 4`), `result` (a result",
+        "off by 1-3), `carry` (an earlier result copied wrongly) or `answer` (a final answer that",
+        "does not repeat the last result). Dev questions never occur in any train file.",
         "",
         "| file | records | format |",
         "|---|---|---|",
@@ -500,14 +561,22 @@ def _readme(files: dict[str, list[dict]], kinds: dict[str, Counter]) -> str:
         "PRM labels: a step is `+` if its arithmetic is right and every earlier step was right;",
         "the first wrong step and every later step are `-`. Record 0 of `prm_train.jsonl` is the",
         "seed example (Tony, cheese and beef; labels `+ + - -`). About half of the PRM solutions",
-        f"carry an error (`prm_train` error kinds: {_fmt_counter(kinds['prm_train'])}).",
+        "carry an error, mostly `echo` errors (at any step), the others `result` and `carry`",
+        "errors in the last equation and `answer` errors: spotting an echo is a comparison of two",
+        "nearby numbers, which the tiny CPU demo model (`llm/config/tiny/prm_argument.json`)",
+        "learns in minutes; multiplication tables and comparisons across steps take it far longer.",
+        f"Error kinds in `prm_train`: {_fmt_counter(kinds['prm_train'])};",
+        f"in `prm_dev`: {_fmt_counter(kinds['prm_dev'])}.",
+        "(The wrong solutions of the pair files have `result` errors at any step, `carry` and",
+        "`answer` errors.)",
         "",
         "| file | steps | fraction of `-` steps |",
         "|---|---|---|",
         *(f"| `{name}.jsonl` | {n} | {frac:.3f} |" for name, (n, frac) in n_steps.items()),
         "",
-        f"Majority-class step baseline on `prm_dev` (always `{majority}`): step accuracy "
-        + f"{max(dev_minus, 1 - dev_minus):.3f}.",
+        f"Majority-class baseline on `prm_dev` (always `{majority}`): step accuracy "
+        + f"{max(dev_minus, 1 - dev_minus):.3f},",
+        f"solution accuracy (every step of a solution right) {_all_same(files['prm_dev'], majority):.3f}.",
         f"Steps per solution in `prm_train`: {_fmt_counter(lengths)}.",
         "",
         "Pairs: the higher `sort` marks the correct full solution (steps joined with a newline);",
@@ -516,6 +585,11 @@ def _readme(files: dict[str, list[dict]], kinds: dict[str, Counter]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _all_same(records: list[dict], label: str) -> float:
+    """Share of the solutions whose every step is labelled ``label``."""
+    return sum(all(lab == label for lab in r["labels"]) for r in records) / len(records)
 
 
 def _fmt_counter(counter: Counter) -> str:
@@ -530,16 +604,34 @@ def generate(out_dir: Path) -> dict[str, list[dict]]:
     # One random stream per file, so changing one file's count leaves the others unchanged
     # (string seeds hash with SHA-512: stable across runs and Python versions).
     files["prm_train"], kinds["prm_train"] = make_prm(
-        random.Random(f"{SEED}-prm_train"), N_PRM_TRAIN, train_seen, with_seed=True
+        random.Random(f"{SEED}-prm_train"),
+        random.Random(f"{SEED}-prm_train-errors"),
+        N_PRM_TRAIN_FIRST,
+        train_seen,
+        with_seed=True,
     )
     files["pairs_train"] = make_pairs(random.Random(f"{SEED}-pairs_train"), N_PAIRS_TRAIN, train_seen)
     files["prompts"] = make_prompts(random.Random(f"{SEED}-prompts"), N_PROMPTS, train_seen)
     # Dev questions must not occur in any train file; dev files dedupe among themselves too.
     dev_seen = set(train_seen)
     files["prm_dev"], kinds["prm_dev"] = make_prm(
-        random.Random(f"{SEED}-prm_dev"), N_PRM_DEV, dev_seen, with_seed=False
+        random.Random(f"{SEED}-prm_dev"),
+        random.Random(f"{SEED}-prm_dev-errors"),
+        N_PRM_DEV,
+        dev_seen,
+        with_seed=False,
     )
     files["pairs_dev"] = make_pairs(random.Random(f"{SEED}-pairs_dev"), N_PAIRS_DEV, dev_seen)
+    # The rest of prm_train: questions of no file above (dev_seen holds them all).
+    more, more_kinds = make_prm(
+        random.Random(f"{SEED}-prm_train-more"),
+        random.Random(f"{SEED}-prm_train-more-errors"),
+        N_PRM_TRAIN - N_PRM_TRAIN_FIRST,
+        dev_seen,
+        with_seed=False,
+    )
+    files["prm_train"] += more
+    kinds["prm_train"] += more_kinds
 
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, records in files.items():
