@@ -159,7 +159,10 @@ def test_sharded_checkpoint_from_two_processes_resumes_in_one(tmp_path):
 
     from llm.utils.distributed import SHARDED_STATE_DIR, load_sharded_state
 
-    common = {"max_steps": 4, "optim": "adamw_torch", "learning_rate": 0.01, "do_eval": False}
+    # lr 1e-3: Adam amplifies the float-rounding differences of the 2-process gradient reduction where
+    # gradients are near zero (max weight difference 1.8e-5 at lr 1e-2 on the bundled data, 1.5e-8 at
+    # 1e-3); a resume that lost the optimizer state differs by about lr.
+    common = {"max_steps": 4, "optim": "adamw_torch", "learning_rate": 0.001, "do_eval": False}
     common.update(save_strategy="steps", save_steps=2)
     full = tmp_path / "full"
     launch(

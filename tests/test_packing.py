@@ -321,3 +321,152 @@ def test_recompute_granularity_keeps_gradients_and_recomputes(granularity, monke
     grads = dict(plain.named_parameters())
     for name, param in recomputed.named_parameters():
         torch.testing.assert_close(param.grad, grads[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _covered(packed):
+    """(rows, L) bool: positions some block's queries cover (the rest is padding, output 0)."""
+    covered = torch.zeros(len(packed.blocks), packed.seq_len, dtype=torch.bool)
+    for r, row in enumerate(packed.blocks):
+        for b in row:
+            covered[r, b.q_start : b.q_end] = True
+    return covered
+
+
+def _dense_sdpa(q, k, v, packed):
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=packed.dense_mask(), enable_gqa=True)
+    return out * _covered(packed)[:, None, :, None]
+
+
+def test_sdpa_layout_is_built_once_per_batch_and_never_reused(monkeypatch):
+    """The block layout (splits, masks) is derived once per batch and shared by every layer; it gives what a
+    fresh description gives and the dense mask gives, and another batch or changed blocks never reuse it."""
+    from llm.utils import attention
+
+    builds = []
+    build = attention._RowLayout.build
+    monkeypatch.setattr(
+        attention._RowLayout, "build", classmethod(lambda cls, row, n: builds.append(n) or build(row, n))
+    )
+    gen = torch.Generator().manual_seed(4)
+    examples, _ = make_examples(gen)
+
+    def batch(order, strategy):
+        rows, _ = pack([examples[i] for i in order], 40, strategy)
+        packed = collate(rows, pad_token_id=0, pad_to=48).attention
+        qkv = [torch.randn(len(rows), h, 48, 8, generator=gen) for h in (4, 2, 2)]  # grouped-query heads
+        return packed, qkv
+
+    a, (q, k, v) = batch(range(len(examples)), "greedy")
+    first = attention.blockwise_sdpa(q, k, v, a, None)
+    second = attention.blockwise_sdpa(2 * q, k, v, a, None)  # the next layer of the same batch
+    assert len(builds) == len(a.blocks)  # built once, for the first layer
+    assert len(a.blocks[0]) > 1 and any(not b.is_document_causal for row in a.blocks for b in row)
+    uncached = attention.blockwise_sdpa(2 * q, k, v, PackedAttention(a.blocks, a.seq_len), None)
+    torch.testing.assert_close(second, uncached, rtol=0, atol=0)
+    torch.testing.assert_close(first, _dense_sdpa(q, k, v, a), rtol=1e-5, atol=1e-6)
+
+    b, (q2, k2, v2) = batch(range(len(examples) - 1, -1, -1), "sequential")  # another batch, another layout
+    n = len(builds)
+    torch.testing.assert_close(
+        attention.blockwise_sdpa(q2, k2, v2, b, None), _dense_sdpa(q2, k2, v2, b), rtol=1e-5, atol=1e-6
+    )
+    assert len(builds) == n + len(b.blocks)
+    # The same description object with other blocks (a reused object) is rebuilt, not served stale.
+    a.blocks = [list(row) for row in b.blocks]
+    torch.testing.assert_close(
+        attention.blockwise_sdpa(q2, k2, v2, a, None), _dense_sdpa(q2, k2, v2, b), rtol=1e-5, atol=1e-6
+    )
+    with pytest.raises(ValueError, match="rows of 48"):
+        attention.blockwise_sdpa(q2[:, :, :40], k2[:, :, :40], v2[:, :, :40], a, None)
+
+
+def test_readout_sdpa_equals_blockwise_at_those_rows():
+    """Attention at a few query positions (the reward readouts) == those rows of the full block-wise
+    attention, in value and in the gradients of queries, keys and values; pair blocks included."""
+    from llm.utils.attention import blockwise_sdpa, readout_sdpa
+
+    gen = torch.Generator().manual_seed(5)
+    examples, _ = make_examples(gen)
+    rows, _ = pack(examples, 40, "greedy")
+    packed = collate(rows, pad_token_id=0, pad_to=44).attention
+    n_rows, length = len(rows), 44
+    covered = _covered(packed).flatten().nonzero().flatten()
+    positions = sorted(covered[torch.randperm(len(covered), generator=gen)[:25]].tolist())
+    pair_rejected = [
+        r * length + p
+        for r, row in enumerate(packed.blocks)
+        for b in row
+        if len(b.kv) == 2
+        for p in (b.q_start, b.q_end - 1)
+    ]
+    positions = sorted(set(positions) | set(pair_rejected))
+    q = torch.randn(n_rows, 4, length, 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(n_rows, 2, length, 8, generator=gen, requires_grad=True) for _ in range(2))
+    weights = torch.randn(4, len(positions), 8, generator=gen)
+
+    def flat(x):  # (R, H, L, D) -> (H, R * L, D)
+        return x.transpose(0, 1).reshape(x.shape[1], -1, x.shape[3])
+
+    full = flat(blockwise_sdpa(q, k, v, packed, 0.3))[:, positions]
+    grads_full = torch.autograd.grad((full * weights).sum(), (q, k, v))
+    sparse = readout_sdpa(flat(q)[None, :, positions], k, v, packed, positions, 0.3)[0]
+    grads_sparse = torch.autograd.grad((sparse * weights).sum(), (q, k, v))
+    torch.testing.assert_close(sparse, full, rtol=1e-5, atol=1e-6)
+    for g_sparse, g_full in zip(grads_sparse, grads_full):
+        torch.testing.assert_close(g_sparse, g_full, rtol=1e-5, atol=1e-6)
+    padding = (~_covered(packed)).flatten().nonzero().flatten()[:1].tolist()
+    with pytest.raises(ValueError, match="in no attention block"):
+        readout_sdpa(flat(q)[None, :, padding], k, v, packed, padding, 0.3)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("head", ["causal_lm", "score"])
+def test_last_layer_at_readouts_equals_full_layer(arch, head):
+    """The reward trainers' last decoder layer run at the readout positions only gives the full model's
+    hidden states there and the same gradients; without ``readout_index`` the model is unchanged."""
+    import copy
+    import functools
+
+    from transformers import AutoModelForSequenceClassification
+
+    from llm.alignment.lm import readout_hidden
+    from llm.alignment.rm import readout
+
+    gen = torch.Generator().manual_seed(6)
+    examples, (p, c, r) = make_examples(gen)
+    for ex in examples[:-1]:
+        ex.readout_position = sorted(torch.randperm(len(ex), generator=gen)[:3].tolist())
+    n_p, n_c, n_r = len(p), len(c), len(r)
+    examples[-1].readout_position = [n_p + n_c - 1, n_p + n_c + n_r - 1]  # ORM: last chosen, last rejected
+    rows, _ = pack(examples, 40, "greedy")
+    batch = collate(rows, pad_token_id=0)
+    kwargs = {} if head == "causal_lm" else {"auto_class": AutoModelForSequenceClassification, "num_labels": 1}
+    full = tiny_model(arch, **kwargs)
+    sparse = twin(full, "packed_sdpa")
+    assert readout.install(sparse) and readout.install(sparse)  # idempotent
+    causal = head == "causal_lm"
+    h_full = readout_hidden(full, batch, causal)
+    h_sparse = readout_hidden(functools.partial(sparse, readout_index=batch.readout_index), batch, causal)
+    torch.testing.assert_close(h_sparse, h_full, rtol=1e-5, atol=1e-5)
+    weights = torch.randn(h_full.shape, generator=gen)
+    (h_full * weights).sum().backward()
+    (h_sparse * weights).sum().backward()
+    grads = dict(full.named_parameters())
+    for name, param in sparse.named_parameters():
+        ref = grads[name].grad
+        if ref is None:
+            assert param.grad is None or not param.grad.any(), name
+            continue
+        rel = (param.grad - ref).norm() / ref.norm().clamp_min(1e-12)
+        assert rel <= 1e-4, (name, rel.item())
+    with torch.no_grad():  # no readout_index: the stock layer
+        assert torch.equal(sparse(**batch.model_inputs()).logits, full(**batch.model_inputs()).logits)
+    copied = copy.deepcopy(sparse)
+    last = copied.base_model.layers[-1]
+    assert last.forward.args[0] is last  # a copy runs its own layer, not the original's
+
+
+def test_last_layer_at_readouts_only_for_llama_shaped_layers():
+    from llm.alignment.rm import readout
+
+    assert not readout.install(tiny_model("qwen3"))  # q/k norms: keeps the full layer

@@ -30,7 +30,9 @@ chosen columns (``flash_start_rows``).
 
 Kernels (see PACKING-NOTES.md for which transformers paths are silently wrong):
 - ``packed_sdpa``: registered in transformers' AttentionInterface; runs SDPA block by block.
-  Exact on every device, fastest on CPU, no L x L mask.
+  Exact on every device, fastest on CPU, no L x L mask. How a row splits into blocks (``sdpa_layout``:
+  split sizes, key pieces, bottom-right masks) is derived once per batch and shared by all layers.
+  ``readout_sdpa`` is the same attention at a few query positions only (the reward models' last layer).
 - ``dense_mask``: a 4-D boolean mask (True = attend) for the stock ``sdpa`` implementation; the
   reference path in tests.
 - FlexAttention ``BlockMask`` (``flex_block_mask``) and flash-attn varlen (document-causal only) on CUDA.
@@ -41,6 +43,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -124,20 +127,77 @@ def _bottom_right_causal(q_len: int, k_len: int, device: torch.device) -> torch.
     return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)
 
 
-def _row_pieces(x: torch.Tensor, bounds: list[int]) -> dict[int, torch.Tensor]:
-    """Split one row ``(1, H, L, D)`` at every boundary once. Slicing per block instead makes each
-    slice's backward zero-fill and add a whole ``(1, H, L, D)`` gradient: measurable with many blocks."""
-    sizes = [b - a for a, b in itertools.pairwise(bounds)]
-    return dict(zip(bounds[:-1], x.split(sizes, dim=2)))
+def _pieces_between(bounds: list[int], ranges: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    """Indices of the pieces (split at ``bounds``) that make up the concatenation of ``ranges``."""
+    return tuple(k for s, e in ranges for k in range(bisect.bisect_left(bounds, s), bisect.bisect_left(bounds, e)))
 
 
-def _take(pieces: dict[int, torch.Tensor], bounds: list[int], ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
-    parts = [
-        pieces[bounds[k]]
-        for s, e in ranges
-        for k in range(bisect.bisect_left(bounds, s), bisect.bisect_left(bounds, e))
-    ]
+def _split_sizes(bounds: list[int]) -> list[int]:
+    return [b - a for a, b in itertools.pairwise(bounds)]
+
+
+class _Step(NamedTuple):
+    """One block of a row in query order (``q_pieces`` None: rows no block covers, output 0)."""
+
+    q_start: int
+    q_end: int
+    q_pieces: tuple[int, ...] | None
+    kv_pieces: tuple[int, ...]
+    k_len: int
+    causal: bool  # document-causal: SDPA's is_causal; else the bottom-right causal mask
+
+
+@dataclass
+class _RowLayout:
+    """How block-wise SDPA runs one row, derived once per batch from its ``Block``s (the same in every layer).
+
+    Queries are split at the block boundaries, keys and values at the key-range boundaries, each once:
+    slicing per block instead makes each slice's backward zero-fill and add a whole ``(1, H, L, D)``
+    gradient.
+    """
+
+    q_sizes: list[int]
+    kv_sizes: list[int]
+    steps: list[_Step]
+    masks: dict = field(default_factory=dict)  # (q_len, k_len, device) -> bottom-right causal mask
+
+    @classmethod
+    def build(cls, row: list[Block], length: int) -> _RowLayout:
+        ordered = sorted(row, key=lambda b: b.q_start)
+        q_bounds = sorted({0, length, *(x for b in ordered for x in (b.q_start, b.q_end))})
+        kv_bounds = sorted({0, length, *(x for b in ordered for r in b.kv for x in r)})
+        steps, cursor = [], 0
+        for b in ordered:
+            if b.q_start > cursor:
+                steps.append(_Step(cursor, b.q_start, None, (), 0, True))
+            q = _pieces_between(q_bounds, ((b.q_start, b.q_end),))
+            k_len = sum(e - s for s, e in b.kv)
+            steps.append(_Step(b.q_start, b.q_end, q, _pieces_between(kv_bounds, b.kv), k_len, b.is_document_causal))
+            cursor = b.q_end
+        if cursor < length:
+            steps.append(_Step(cursor, length, None, (), 0, True))
+        return cls(_split_sizes(q_bounds), _split_sizes(kv_bounds), steps)
+
+    def mask(self, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+        key = (q_len, k_len, device)
+        if key not in self.masks:
+            self.masks[key] = _bottom_right_causal(q_len, k_len, device)
+        return self.masks[key]
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+def sdpa_layout(packed: PackedAttention) -> list[_RowLayout]:
+    """The per-row layouts of ``packed``, built on first use and kept in ``packed.cache`` for the other
+    layers of the same batch; rebuilt if ``blocks`` or ``seq_len`` changed since (never reused for others)."""
+    snapshot = (packed.seq_len, tuple(tuple(row) for row in packed.blocks))
+    cached = packed.cache.get("sdpa_layout")
+    if cached is None or cached[0] != snapshot:
+        cached = (snapshot, [_RowLayout.build(row, packed.seq_len) for row in packed.blocks])
+        packed.cache["sdpa_layout"] = cached
+    return cached[1]
 
 
 def blockwise_sdpa(
@@ -150,35 +210,71 @@ def blockwise_sdpa(
 ) -> torch.Tensor:
     """SDPA block by block. q ``(B, H, L, D)``, k/v ``(B, Hkv, L, D)`` -> ``(B, H, L, D)``; padding -> 0."""
     gqa = key.shape[1] != query.shape[1]
-    length = packed.seq_len
+    if query.shape[2] != packed.seq_len:
+        raise ValueError(f"packed attention for rows of {packed.seq_len} got {query.shape[2]} queries")
     out_rows = []
-    rows = zip(query.split(1, 0), key.split(1, 0), value.split(1, 0), packed.blocks)
-    for q_r, k_r, v_r, row in rows:
-        bounds = sorted(
-            {0, length, *(b.q_start for b in row), *(b.q_end for b in row), *(x for b in row for r in b.kv for x in r)}
-        )
-        qs, ks, vs = (_row_pieces(t, bounds) for t in (q_r, k_r, v_r))
-        pieces, cursor = [], 0
-        for b in sorted(row, key=lambda b: b.q_start):
-            if b.q_start > cursor:
-                pieces.append(q_r.new_zeros(1, q_r.shape[1], b.q_start - cursor, q_r.shape[3]))
-            q = _take(qs, bounds, ((b.q_start, b.q_end),))
-            k, v = _take(ks, bounds, b.kv), _take(vs, bounds, b.kv)
-            if b.is_document_causal:
-                o = F.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, scale=scaling, dropout_p=dropout, enable_gqa=gqa
-                )
-            else:
-                mask = _bottom_right_causal(q.shape[2], k.shape[2], q.device)
-                o = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, scale=scaling, dropout_p=dropout, enable_gqa=gqa
-                )
-            pieces.append(o)
-            cursor = b.q_end
-        if cursor < length:
-            pieces.append(q_r.new_zeros(1, q_r.shape[1], length - cursor, q_r.shape[3]))
-        out_rows.append(torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0])
+    for q_r, k_r, v_r, layout in zip(query.split(1, 0), key.split(1, 0), value.split(1, 0), sdpa_layout(packed)):
+        qs = q_r.split(layout.q_sizes, dim=2)
+        ks, vs = k_r.split(layout.kv_sizes, dim=2), v_r.split(layout.kv_sizes, dim=2)
+        pieces = []
+        for step in layout.steps:
+            if step.q_pieces is None:
+                pieces.append(q_r.new_zeros(1, q_r.shape[1], step.q_end - step.q_start, q_r.shape[3]))
+                continue
+            q = _cat([qs[i] for i in step.q_pieces])
+            k, v = _cat([ks[i] for i in step.kv_pieces]), _cat([vs[i] for i in step.kv_pieces])
+            causal = (
+                {"is_causal": True} if step.causal else {"attn_mask": layout.mask(q.shape[2], step.k_len, q.device)}
+            )
+            pieces.append(
+                F.scaled_dot_product_attention(q, k, v, scale=scaling, dropout_p=dropout, enable_gqa=gqa, **causal)
+            )
+        out_rows.append(_cat(pieces))
     return torch.cat(out_rows, dim=0) if len(out_rows) > 1 else out_rows[0]
+
+
+def readout_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    packed: PackedAttention,
+    positions: list[int],
+    scaling: float | None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Attention at a few query positions only: the rows ``positions`` of ``blockwise_sdpa``'s output.
+
+    ``positions``: flat ``row * L + position`` indices, ascending, each inside a block; q ``(1, H, N, D)``
+    holds their queries in that order, k/v ``(B, Hkv, L, D)`` every key. -> ``(1, H, N, D)``. One SDPA
+    call per block holding readouts, against that block's keys only.
+    """
+    length, gqa = packed.seq_len, key.shape[1] != query.shape[1]
+    layouts = sdpa_layout(packed)
+    groups = []  # (row, step, positions within the row) per block holding readouts, in order
+    for r, layout in enumerate(layouts):
+        lo, hi = bisect.bisect_left(positions, r * length), bisect.bisect_left(positions, (r + 1) * length)
+        starts = [s.q_start for s in layout.steps]
+        while lo < hi:
+            step = layout.steps[bisect.bisect_right(starts, positions[lo] - r * length) - 1]
+            if step.q_pieces is None:
+                raise ValueError(f"position {positions[lo] - r * length} of row {r} is in no attention block")
+            end = bisect.bisect_left(positions, r * length + step.q_end, lo, hi)
+            groups.append((r, step, [p - r * length for p in positions[lo:end]]))
+            lo = end
+    keys, values = key.split(1, 0), value.split(1, 0)
+    row_pieces, outs = {}, []
+    for q, (r, step, at) in zip(query.split([len(g[2]) for g in groups], dim=2), groups):
+        if r not in row_pieces:
+            row_pieces[r] = (keys[r].split(layouts[r].kv_sizes, dim=2), values[r].split(layouts[r].kv_sizes, dim=2))
+        ks, vs = row_pieces[r]
+        k, v = _cat([ks[i] for i in step.kv_pieces]), _cat([vs[i] for i in step.kv_pieces])
+        # bottom-right causal: the query at p sees the first k_len - (q_end - p) + 1 keys of the block
+        seen = torch.tensor([step.k_len - step.q_end + p + 1 for p in at])
+        mask = None if int(seen.min()) == step.k_len else (torch.arange(step.k_len) < seen[:, None]).to(q.device)
+        outs.append(
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, dropout_p=dropout, enable_gqa=gqa)
+        )
+    return _cat(outs)
 
 
 def flash_varlen(

@@ -6,15 +6,21 @@ per-item losses and per-example outputs; everything else is ``AlignmentTrainer``
 
 from __future__ import annotations
 
+import functools
+
 import torch.nn.functional as F
 
 from llm.alignment.lm import check_packed_attention, full_weight, readout_hidden
+from llm.alignment.rm import readout
 from llm.alignment.rm.loss import pairwise_loss, step_loss, step_scores
 from llm.alignment.trainer import AlignmentTrainer, ItemOutputs
 from llm.data.packing import PackedBatch
 
 
 class RewardTrainer(AlignmentTrainer):
+    # The last decoder layer runs at the readout positions only (llm/alignment/rm/readout.py); same numbers.
+    last_layer_at_readouts = True
+
     def __init__(
         self,
         *args,
@@ -32,13 +38,15 @@ class RewardTrainer(AlignmentTrainer):
         self.center = center_rewards_coefficient
         if process_reward and self.reward_token_ids is None:
             raise ValueError("PRM mode needs reward_token_ids")
+        self.readouts_only = self.last_layer_at_readouts and readout.install(self.model)
 
     # one "item" = one step (PRM) or one pair (ORM)
     def count_items(self, batch: PackedBatch) -> int:
         return batch.readout_index.numel() if self.process_reward else batch.num_examples
 
     def forward_items(self, model, batch: PackedBatch) -> ItemOutputs:
-        hidden = readout_hidden(model, batch, causal_lm=self.process_reward)
+        call = functools.partial(model, readout_index=batch.readout_index) if self.readouts_only else model
+        hidden = readout_hidden(call, batch, causal_lm=self.process_reward)
         if self.process_reward:
             head = self.model.get_output_embeddings()
             weight, bias = full_weight(head.weight), full_weight(head.bias)
