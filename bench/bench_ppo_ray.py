@@ -8,7 +8,7 @@ response has exactly ``--response-len`` tokens, so each step does the same work)
     ray2        colocated: [actor_rollout + ref], [critic + reward] (two Ray actors)
     ray4+copy   ray4 plus a separate rollout copy (weights synced after every update)
     fsdp2       all four roles in one group of 2 Ray actors sharding every model with FSDP2 (gloo);
-                both ranks compute on the same batch, so this shows the all-gather cost, not a speed-up
+                each rank computes its half of every batch (data parallel), plus the all-gathers
 
 Every process runs one thread (``OMP_NUM_THREADS=1``), so the Ray roles do the same arithmetic as
 the local run and the difference is Ray's overhead: serialising arguments and results, the object

@@ -56,14 +56,14 @@ def fixed_responses(n: int) -> list[list[int]]:
 
 
 @contextlib.contextmanager
-def two_steps(path: str, *overrides: str):
-    """Step 1 on fixed responses, step 2 generated (after step 1's update and, on Ray, the weight sync).
-    The roles stay up until the block ends."""
+def two_steps(path: str, *overrides: str, samples: int = SAMPLES):
+    """Step 1 on ``samples`` fixed responses, step 2 generated (after step 1's update and, on Ray, the
+    weight sync). The roles stay up until the block ends."""
     c = parse_ppo_config([path, *overrides])
     with placed_roles(c) as roles:
         trainer = build_ppo(c, load_prompts(c), roles)
         steps = []
-        for responses in (fixed_responses(SAMPLES), None):
+        for responses in (fixed_responses(samples), None):
             metrics = trainer.train_step(responses=responses)
             steps.append({"metrics": metrics, "exp": trainer.last_experience, "history": list(trainer.history)})
             trainer.history.clear()

@@ -1,8 +1,10 @@
 """A role on several devices: a group of Ray actors running torch.distributed (gloo) with FSDP2.
 
 All four roles share one 2-rank group (``colocate``, 2 devices each), so every model is sharded in
-two; a rollout copy in its own actor takes the actor's gathered weights after each update. Its own
-Ray instance: 3 logical CPUs (the group's two ranks hold one each, the copy the third).
+two and every batch split in two (data parallel); a rollout copy in its own actor takes the actor's
+gathered weights after each update. Its own Ray instance: 3 logical CPUs (the group's two ranks hold
+one each, the copy the third). The batch is odd (9 samples, mini-batches of 3, micro-batches of 1),
+so the ranks' slices and shares differ and the smaller ones run spare forwards and backwards.
 """
 
 import os
@@ -18,6 +20,7 @@ from tests.test_ppo_ray import ORM_REWARD, assert_same_step, fixed_responses, tw
 from tests.test_ppo_run import config
 
 ROLES = ("actor_rollout", "ref", "critic", "reward")
+SAMPLES = 9  # 3 prompts x 3 samples: 5 + 4 per forward call, 2 + 1 of every mini-batch of 3
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +32,16 @@ def runs(tmp_path_factory):
         tmp_path_factory.mktemp("fsdp"),
         reward=ORM_REWARD,
         algorithm={"kl_loss_coef": 0.1},
+        data={"rollout_batch_size": 3},
+        actor_rollout={"num_samples_per_step": 3, "ppo_mini_batch_size": 3, "entropy_coeff": 0.01},
+        critic={"critic_mini_batch_size": 3},
+        training={"micro_batch_size": 1},
     )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each Ray worker
     try:
-        with two_steps(path) as local:
-            pass
+        with two_steps(path, samples=SAMPLES) as local:
+            local["seen"] = {n: local["roles"][n].samples_seen for n in ROLES}
     finally:
         torch.set_num_threads(threads)
     flags = ["--resource_pool.use_ray", "true", "--resource_pool.rollout", "1"]
@@ -43,7 +50,8 @@ def runs(tmp_path_factory):
         flags += [f"--resource_pool.{role}", "2"]
     ray.init(num_cpus=3, include_dashboard=False, object_store_memory=200 * 1024**2)
     try:
-        with two_steps(path, *flags) as remote:
+        with two_steps(path, *flags, samples=SAMPLES) as remote:
+            remote["seen"] = {n: remote["roles"][n].per_rank("samples_seen") for n in ROLES}
             remote["checkpoint"] = remote["trainer"].save_checkpoint()
             yield local, remote
     finally:
@@ -55,7 +63,8 @@ def test_fsdp2_group_gives_the_same_steps_as_one_process(runs):
     roles = remote["roles"]
     assert [len(roles[n].pids) for n in ROLES] == [2] * 4 and len({roles[n].where for n in ROLES}) == 1
     assert len(roles["rollout"].pids) == 1 and roles["rollout"].pids[0] not in roles["actor_rollout"].pids
-    assert local["steps"][0]["exp"].scored.samples.response_ids == fixed_responses(8)
+    assert local["steps"][0]["exp"].scored.samples.response_ids == fixed_responses(SAMPLES)
+    assert len(local["steps"][0]["history"]) == 6  # 3 actor and 3 critic mini-batches
     assert_same_step(local["steps"][0], remote["steps"][0])
     # Step 2 is sampled by the rollout copy from the weights gathered off the FSDP2 actor.
     responses = local["steps"][1]["exp"].scored.samples.response_ids
@@ -71,16 +80,52 @@ def test_fsdp2_checkpoint_is_whole_and_loads_in_one_process(runs):
         mine = role.model.state_dict()
         assert saved.keys() == mine.keys()
         for key, value in mine.items():
-            # After two Adam steps single rows of the embedding / LM head (tokens seen once, tiny second
-            # moments) differ by up to ~1e-5: 1 / (sqrt(v) + eps) amplifies the rounding of the sharded
-            # gradient reduction there. Every other weight agrees to 1e-6; the step outputs above to 1e-5.
-            torch.testing.assert_close(saved[key], value, rtol=1e-4, atol=2e-5, msg=key)
+            # Two steps of 3 + 3 mini-batches, each rank's gradient summed over its share and then over
+            # the ranks: the order of the sums differs from one process, not the arithmetic. Measured: at
+            # most ~1.4e-6, in single rows of the embedding / LM head (tokens seen once, tiny Adam second
+            # moments: 1 / (sqrt(v) + eps) amplifies rounding there).
+            torch.testing.assert_close(saved[key], value, rtol=0, atol=1e-5, msg=key)
     # The optimizer state was gathered from the shards by parameter name: it loads into one process.
     before = {k: v.clone() for k, v in actor.optim.optimizer.state[next(actor.model.parameters())].items()}
     actor.load(os.path.join(remote["checkpoint"], "actor"))
     after = actor.optim.optimizer.state[next(actor.model.parameters())]
     for key in ("exp_avg", "exp_avg_sq"):
         torch.testing.assert_close(after[key], before[key], rtol=1e-5, atol=1e-7)
+
+
+def test_each_rank_computes_only_its_slice(runs):
+    """The samples each rank's roles ran forwards over (spares not counted) add up to one process's:
+    with the batch replicated on every rank each would have seen all of them."""
+    local, remote = runs
+    for name in ROLES:
+        ranks = remote["seen"][name]
+        assert sum(ranks) == local["seen"][name] and max(ranks) < local["seen"][name], (name, ranks)
+    # The actor, per step: log_probs 5 + 4 of 9, the update 2 + 1 of each of 3 mini-batches.
+    assert remote["seen"]["actor_rollout"] == [2 * (5 + 3 * 2), 2 * (4 + 3 * 1)]
+
+
+def test_split_calls_on_fewer_samples_than_ranks_and_generation(runs):
+    local, remote = runs
+    mine, theirs = local["roles"]["ref"], remote["roles"]["ref"]  # frozen: the same weights in both
+    samples = local["steps"][1]["exp"].scored.samples
+    one = samples.select([0])  # rank 1 runs a stand-in sample to keep up with the all-gathers, dropped
+    torch.testing.assert_close(theirs.log_probs(one), mine.log_probs(one), rtol=1e-5, atol=1e-6)
+    reward = remote["roles"]["reward"].score(samples.select([0, 1, 2]))
+    torch.testing.assert_close(reward.scores, local["roles"]["reward"].score(samples.select([0, 1, 2])).scores)
+    prompts = [local["trainer"].prompts[i].ids for i in range(3)]
+    greedy = {"num_samples": 1, "max_new_tokens": 6, "do_sample": False, "top_p": 1.0, "top_k": 0}
+    # Greedy: the ranks' slices (2 + 1 prompts, stepped together by synced_gpus) give one process's answer.
+    assert theirs.generate(prompts, **greedy) == mine.generate(prompts, **greedy)
+    assert theirs.generate(prompts[:1], **greedy) == mine.generate(prompts[:1], **greedy)
+    # Sampling: rank r draws from seed * 2 + r.
+    sampled = {**greedy, "num_samples": 2, "do_sample": True, "top_k": 50}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        expected = mine.generate(prompts[:2], **sampled, seed=14) + mine.generate(prompts[2:], **sampled, seed=15)
+    finally:
+        torch.set_num_threads(threads)
+    assert theirs.generate(prompts, **sampled, seed=7) == expected
 
 
 def test_a_rank_dying_inside_a_collective_ends_the_call_with_a_message(runs):

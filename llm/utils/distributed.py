@@ -29,7 +29,9 @@ import contextlib
 import logging
 import os
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -49,6 +51,8 @@ logger = logging.getLogger(__name__)
 SHARDING_WORDS = ("stage1", "stage2", "stage3", "offload")
 SHARDED_STATE_DIR = "sharded_state"  # inside checkpoint-N/: torch.distributed.checkpoint files
 
+T = TypeVar("T")
+
 
 def has_accelerator() -> bool:
     npu = getattr(torch, "npu", None)  # torch_npu registers torch.npu when it is installed
@@ -57,6 +61,42 @@ def has_accelerator() -> bool:
 
 def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def share(n: int, rank: int, world: int) -> range:
+    """Rank ``rank``'s contiguous share of ``n`` items split over ``world`` ranks: the first ``n % world``
+    ranks take one more, so shares differ by at most one and, concatenated in rank order, are ``range(n)``."""
+    base, extra = divmod(n, world)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))
+
+
+def with_spares(items: list[T], rounds: int, spare: T) -> Iterator[tuple[T, bool]]:
+    """``items``, then ``spare`` until ``rounds`` in all, each with True when it is a spare.
+
+    Under FSDP2 and tensor parallelism every forward (and backward) is a collective, so all ranks must
+    make the same number of them: a rank with less work runs spare ones on ``spare`` and drops their
+    output (a spare backward: a zero-weighted loss)."""
+    for k in range(max(rounds, len(items))):
+        yield (items[k], False) if k < len(items) else (spare, True)
+
+
+def most_over_ranks(n: int, device: torch.device | str) -> int:
+    """The largest ``n`` over the ranks of the default group (``n`` itself in one process)."""
+    if not (_distributed() and dist.get_world_size() > 1):
+        return n
+    t = torch.tensor([n], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def sum_over_ranks(values: list[float], device: torch.device | str) -> list[float]:
+    """``values`` summed element-wise over the ranks of the default group (in float64; as is in one process)."""
+    if not (_distributed() and dist.get_world_size() > 1) or not values:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
 
 
 def backend() -> str:

@@ -21,6 +21,7 @@ from llm.alignment.lm import READOUT_CHUNK, check_packed_attention, per_example_
 from llm.alignment.trainer import AlignmentTrainer, ItemOutputs, _gather_objects
 from llm.data.packing import PackedBatch, PackedRow, collate
 from llm.data.tokenize_lm import CHOSEN, PROMPT, REJECTED
+from llm.utils.distributed import with_spares
 
 
 @dataclass
@@ -172,17 +173,16 @@ class DPOTrainer(AlignmentTrainer):
         # forward so that all ranks make the same number of calls.
         dp, dp_rank = self.layout.dp, self.args.process_index // self.layout.tp
         starts = list(range(0, len(rows), batch_size))
+        mine = starts[dp_rank::dp]
+        rounds = math.ceil(len(starts) / dp) if self.layout.native else len(mine)
         done = []
         with torch.no_grad(), self.compute_loss_context_manager():
-            for k in range(dp_rank, dp * math.ceil(len(starts) / dp), dp):
-                if k >= len(starts) and not self.layout.native:
-                    break
-                start = starts[k] if k < len(starts) else 0
+            for start, spare in with_spares(mine, rounds, 0):
                 chunk = rows[start : start + batch_size]
                 batch = self.data_collator(chunk).to(self.args.device)
                 ref, _ = self.pair_log_probs(model, model.get_output_embeddings(), batch)
-                if k >= len(starts):
-                    continue  # the spare forward
+                if spare:
+                    continue
                 c, r = ref.chosen.tolist(), ref.rejected.tolist()
                 for i, row in enumerate(chunk):
                     first = sum(len(x.records) for x in chunk[:i])

@@ -129,7 +129,21 @@ def _load(
     ).to(place.device)
     if trained and c.training.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if trained and place.layout is not None:
+        _sum_gradients(model)
     return model if trained else model.eval().requires_grad_(False)
+
+
+def _sum_gradients(model) -> None:
+    """FSDP2 averages gradients over the group; a PPO rank's loss is already its share of the whole
+    mini-batch's (normalised by all its tokens, roles.py), so the ranks' gradients must be summed: divide
+    factor 1, with plain sum reductions (gloo has no pre-multiplied sum)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def build_reward(c: PPOConfig, place: Place) -> RewardFunction:

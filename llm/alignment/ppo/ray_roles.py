@@ -10,9 +10,24 @@ reached through a proxy with the same methods (``resource_pool.use_ray``).
 (``actor_rollout: 2``, ``colocate: [["critic", "reward"]]``, ``rollout: 0.5``; the others a share).
 One worker process per rank: a role (or colocated group) given a share of one device (< 1) or one
 device is one worker; given N devices, N workers that join one torch.distributed group (gloo on CPU,
-NCCL on GPU) and shard the role's models with FSDP2. Every rank runs each call on the same batch
-(sharded parameters, replicated data: memory scales, throughput does not), and the first rank's
-result is the answer. Placement: one placement group, one bundle per worker (``{"CPU": share}``,
+NCCL on GPU) and shard the role's models with FSDP2 (stage 3). The group is data parallel too:
+
+- forward calls (``log_probs``, ``values``, ``score``, ``generate``): the proxy sends rank r its
+  contiguous slice of the samples (prompts), the first ``B % N`` ranks one more, and concatenates the
+  results in order (token tensors zero-padded to the longest response), equal to one process. Each
+  forward all-gathers parameters, so ranks with fewer micro-batches run spare forwards (output
+  dropped) up to the most any rank has (``roles._micro_batches``, one all-reduce of the count);
+  ``generate`` steps the ranks together with HF's ``synced_gpus`` and rank r samples from
+  ``seed * N + r``, so sampled responses depend on N (greedy ones do not).
+- ``update``: every rank gets the whole batch and mini-batch orders and runs its contiguous share of
+  each mini-batch, plus zero-weighted spare micro-batches up to the largest share's count; the loss
+  stays normalised by the whole mini-batch's tokens and the gradients are summed over the ranks
+  (divide factor 1, ``build._sum_gradients``), so each optimizer step is one process's on the whole
+  mini-batch. The stats (losses, clipfrac, KL, entropy) are summed over the ranks (one all-reduce).
+- weights, checkpoints: every rank takes part in the gathers; the first rank's result is the answer.
+
+Each role counts the samples it ran forwards over (``samples_seen``; ``RemoteRole.per_rank``).
+Placement: one placement group, one bundle per worker (``{"CPU": share}``,
 ``{"GPU": share, "CPU": 1}``, one whole device per rank of a group), packed onto as few nodes as fit.
 
 Failures never hang the run: every call waits at most ``resource_pool.call_timeout`` seconds and the
@@ -27,6 +42,7 @@ Ray is imported only here, when a config asks for it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -35,8 +51,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
+import torch.nn.functional as F
+
 from llm.alignment.ppo.config import PPOConfig, ResourcePool
 from llm.alignment.ppo.roles import RoleFailure
+from llm.utils.distributed import share
 from llm.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -100,6 +120,9 @@ class RoleWorker:
     def call(self, role: str, method: str, *args, **kwargs):
         return getattr(self.roles[role], method)(*args, **kwargs)
 
+    def attribute(self, role: str, name: str):
+        return getattr(self.roles[role], name)
+
 
 def wait(ray, refs: list, role: str, where: str, what: str, timeout: float, setting: str) -> list:
     """The results of ``refs`` within ``timeout``. The first failure ends the wait at once; a dead worker
@@ -125,9 +148,36 @@ def wait(ray, refs: list, role: str, where: str, what: str, timeout: float, sett
         raise
 
 
+# The forward calls: their first argument is the batch (``Samples``; ``generate``: the prompts' ids), and a
+# group splits it over its ranks.
+SPLIT = ("generate", "log_probs", "values", "score")
+
+
+def _concat(parts: list):
+    """The ranks' results, in rank order, as one: lists joined; tensors zero-padded along every dimension
+    but the first to the largest (a slice's ``T`` is its own longest response) and concatenated; tuples
+    and records (``RewardOutput``) field by field."""
+    first = parts[0]
+    if first is None:
+        return None
+    if isinstance(first, list):
+        return [x for p in parts for x in p]
+    if isinstance(first, tuple):
+        return tuple(_concat(list(xs)) for xs in zip(*parts))
+    if dataclasses.is_dataclass(first):
+        return type(first)(**{f.name: _concat([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(first)})
+    if isinstance(first, torch.Tensor):
+        size = [max(p.shape[d] for p in parts) for d in range(first.dim())]
+        pad = lambda p: [x for d in reversed(range(1, p.dim())) for x in (0, size[d] - p.shape[d])]
+        return torch.cat([F.pad(p, pad(p)) if any(pad(p)) else p for p in parts])
+    raise TypeError(f"cannot concatenate the ranks' {type(first).__name__} results")
+
+
 class RemoteRole:
-    """A role living in Ray workers (one, or the ranks of an FSDP2 group): each method call goes to every
-    rank and is waited for (``call_timeout``); the first rank's result is returned."""
+    """A role living in Ray workers (one, or the ranks of an FSDP2 group), each call waited for
+    (``call_timeout``). A group splits the batch of a forward call (``SPLIT``): each rank gets its
+    contiguous slice and the slices' results are concatenated in order. Every other call (``update``,
+    weights, checkpoints) goes whole to every rank and the first rank's result is returned."""
 
     def __init__(self, ray, name: str, workers: list, pids: list[int], hosts: list[str], pool: ResourcePool) -> None:
         self._ray, self.name, self.workers, self.pids, self._pool = ray, name, workers, pids, pool
@@ -139,11 +189,38 @@ class RemoteRole:
             raise AttributeError(method)
 
         def call(*args, **kwargs):
+            if method in SPLIT and len(self.workers) > 1 and args and len(args[0]):
+                return self._split_call(method, args[0], args[1:], kwargs)
             refs = [w.call.remote(self.name, method, *args, **kwargs) for w in self.workers]
-            pool = self._pool
-            return wait(self._ray, refs, self.name, self.where, f"{method}()", pool.call_timeout, "call_timeout")[0]
+            return self._wait(refs, f"{method}()")[0]
 
         return call
+
+    def _wait(self, refs: list, what: str) -> list:
+        return wait(self._ray, refs, self.name, self.where, what, self._pool.call_timeout, "call_timeout")
+
+    def _split_call(self, method: str, batch, rest: tuple, kwargs: dict):
+        """Rank r runs ``method`` on its contiguous slice of ``batch``; the results, concatenated in rank
+        order, are the whole batch's. A rank left without samples (fewer than ranks) runs on the first
+        one, to keep up with the group's collectives, and its result is dropped. ``generate``: rank r
+        samples from ``seed * world + r`` (distinct streams; sampled responses depend on the group size,
+        greedy ones do not)."""
+        world = len(self.workers)
+        refs, kept = [], []
+        for rank, worker in enumerate(self.workers):
+            idx = share(len(batch), rank, world) or range(1)
+            part = [batch[i] for i in idx] if isinstance(batch, list) else batch.select(list(idx))
+            kw = dict(kwargs)
+            if method == "generate" and kw.get("seed") is not None:
+                kw["seed"] = kw["seed"] * world + rank
+            refs.append(worker.call.remote(self.name, method, part, *rest, **kw))
+            kept.append(bool(share(len(batch), rank, world)))
+        return _concat([r for r, k in zip(self._wait(refs, f"{method}()"), kept) if k])
+
+    def per_rank(self, attribute: str) -> list:
+        """An attribute of the role on every rank, e.g. ``samples_seen`` (what each rank computed)."""
+        refs = [w.attribute.remote(self.name, attribute) for w in self.workers]
+        return self._wait(refs, f"reading {attribute}")
 
     def sync_from(self, source: RemoteRole) -> None:
         """Weight sync: the source's full ``weights()`` (gathered by all its ranks, held by the first) go

@@ -12,8 +12,11 @@ the CPU. Arguments and results are plain records and tensors (``Samples``, ``Pol
 ``ValueBatch``, ``UpdateStats``, ``RewardOutput``), so a role lives in this process or in a Ray actor
 (ray_roles.py wraps these same classes) without the trainer knowing which.
 
-A role may also be one rank of an FSDP2 group (ray_roles.py starts the group): every rank runs the
-same call on the same batch with its shard of the parameters, so results equal one process. Heads
+A role may also be one rank of an FSDP2 group (ray_roles.py starts the group), data parallel: a
+forward call gets this rank's slice of the samples (the proxy splits and joins them), an update runs
+this rank's share of every mini-batch (``_update_shares``) with gradients and stats summed over the
+ranks, and ranks with less work run spare forwards (``_micro_batches``), since every forward and
+backward is a collective; the results equal one process. Heads
 applied outside the model's forward are gathered with ``full_weight``; checkpoints and weights for
 the rollout copy go through full (gathered) state dicts, written by the first rank.
 """
@@ -48,6 +51,7 @@ from llm.alignment.rm.loss import step_scores
 from llm.data.packing import causal_example, collate, pack
 from llm.data.tokenize import prm_response_text
 from llm.utils.attention import PACKED_SDPA
+from llm.utils.distributed import most_over_ranks, share, sum_over_ranks, with_spares
 from llm.utils.errors import UserError
 
 
@@ -131,6 +135,38 @@ def _first_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+def _rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if _sharded() else (0, 1)
+
+
+def _micro_batches(rows: list, size: int, device) -> list[tuple[list, bool]]:
+    """``rows`` in micro-batches of ``size``, each with True for a spare: in an FSDP2 group every rank
+    makes as many forwards as the rank with the most (spares repeat the first micro-batch; drop their
+    output). In one process: just the micro-batches, no collective."""
+    batches = [rows[i : i + size] for i in range(0, len(rows), size)]
+    return list(with_spares(batches, most_over_ranks(len(batches), device), batches[0]))
+
+
+def _sum_steps(steps: list[dict[str, float]], device) -> list[dict[str, float]]:
+    """Per-optimizer-step stats summed over the ranks of an FSDP2 group (each rank's are sums over its
+    share of the mini-batch, normalised by the whole mini-batch's tokens); as they are in one process."""
+    if not steps:
+        return steps
+    keys = list(steps[0])
+    flat = sum_over_ranks([t[k] for t in steps for k in keys], device)
+    return [dict(zip(keys, flat[i * len(keys) : (i + 1) * len(keys)])) for i in range(len(steps))]
+
+
+def _update_shares(mb: list[int], micro_batch_size: int) -> list[tuple[list[int], bool]]:
+    """This rank's micro-batches of mini-batch ``mb``: its contiguous share (all of ``mb`` in one process)
+    in micro-batches, then spares (``mb[:1]``, True) up to the count of the largest share, so every rank
+    runs the same number of forwards and backwards. Each micro-batch packs into one forward."""
+    rank, world = _rank_world()
+    mine = [mb[i] for i in share(len(mb), rank, world)]
+    rounds = math.ceil(math.ceil(len(mb) / world) / micro_batch_size)
+    return list(with_spares(_chunks(mine, micro_batch_size), rounds, mb[:1]))
+
+
 # Full (unsharded) state dicts: gathered to the first rank on the CPU (other ranks get {}), and loaded
 # on every rank, each keeping its shard. The same calls work on a model in one process.
 GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -149,6 +185,8 @@ def standard_attention(model: PreTrainedModel):
 
 class PolicyModel:
     """A causal LM as reference or rollout copy: sampling and per-token log-probs at ``temperature``."""
+
+    samples_seen = 0  # samples this process ran forwards over (a rank of a group: its slices only)
 
     def __init__(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, temperature: float, micro_batch_size: int
@@ -234,11 +272,14 @@ class PolicyModel:
         rows = _token_readouts(samples, idx, max_len)
         head = self.model.get_output_embeddings()
         outs, ents, all_logits = [], [], []
-        for start in range(0, len(rows), self.micro_batch_size):
-            batch = collate(rows[start : start + self.micro_batch_size], self.tokenizer.pad_token_id)
+        self.samples_seen += len(idx)
+        for micro, spare in _micro_batches(rows, self.micro_batch_size, self.model.device):
+            batch = collate(micro, self.tokenizer.pad_token_id)
             batch = batch.to(self.model.device)
             hidden = readout_hidden(self.model, batch, causal_lm=True)
             logits = _linear(head, hidden).float() / self.temperature
+            if spare:
+                continue
             logp = torch.log_softmax(logits, -1)
             token_logp = logp.gather(-1, batch.readout_target[:, None]).squeeze(-1)
             outs.append(scatter_tokens(token_logp, batch, lengths, T))
@@ -386,17 +427,19 @@ class ActorRole(PolicyModel):
     def update(self, batch: PolicyBatch, orders: list[list[int]]) -> UpdateStats:
         """One pass per order (an epoch) over mini-batches of ``settings.mini_batch_size`` samples; each
         mini-batch accumulates micro-batches and takes one optimizer step. The loss of every micro-batch
-        is divided by the mini-batch's token count, so the split into micro-batches changes nothing."""
+        is divided by the mini-batch's token count, so the split into micro-batches changes nothing.
+
+        A rank of an FSDP2 group runs its contiguous share of every mini-batch (``_update_shares``), the
+        gradients are summed over the ranks (``build._sum_gradients``), and so are the stats."""
         u = self.settings
         names = ("policy_loss", "abs_policy_loss", "clipfrac", "approx_kl", "entropy", "kl_loss")
-        stats: dict[str, list[float]] = {k: [] for k in names}
-        losses = []
+        steps, epochs = [], []
         self.model.train()
         for epoch, order in enumerate(orders):
             for mb in _chunks(order, u.mini_batch_size):
                 tokens = batch.mask[mb].sum()
                 totals = dict.fromkeys(names, 0.0)
-                for part in _chunks(mb, self.micro_batch_size):
+                for part, spare in _update_shares(mb, self.micro_batch_size):
                     logp, entropy = self._log_probs(batch.samples, part, with_entropy=True)
                     T = logp.shape[1]
                     dev = logp.device
@@ -419,6 +462,10 @@ class ActorRole(PolicyModel):
                         kl = kl_estimate(logp, batch.ref_logprobs[part, :T].to(dev), u.kl_penalty)
                         kl_loss = (kl * m).sum() / tokens
                         loss = loss + u.kl_loss_coef * kl_loss
+                    if spare:  # this rank's share ran out: a zero-weighted backward keeps the group in step
+                        self.samples_seen -= len(part)
+                        (loss * 0).backward()
+                        continue
                     loss.backward()
                     share = m.sum() / tokens
                     totals["policy_loss"] += out.loss.item()
@@ -426,12 +473,14 @@ class ActorRole(PolicyModel):
                     totals["approx_kl"] += out.approx_kl.item() * share.item()
                     totals["entropy"] += ent.item()
                     totals["kl_loss"] += float(kl_loss.detach())
-                totals["abs_policy_loss"] = abs(totals["policy_loss"])
                 self.optim.step()
-                for k, values in stats.items():
-                    values.append(totals[k])
-                losses.append((epoch, totals["policy_loss"]))
-        return UpdateStats({k: sum(v) / len(v) for k, v in stats.items() if v}, losses)
+                steps.append(totals)
+                epochs.append(epoch)
+        steps = _sum_steps(steps, self.model.device)
+        for totals in steps:
+            totals["abs_policy_loss"] = abs(totals["policy_loss"])
+        metrics = {k: sum(t[k] for t in steps) / len(steps) for k in names} if steps else {}
+        return UpdateStats(metrics, [(e, t["policy_loss"]) for e, t in zip(epochs, steps)])
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The current full weights on the CPU, for the rollout copy (FSDP2: gathered; {} on other ranks)."""
@@ -447,6 +496,8 @@ class ActorRole(PolicyModel):
 class ValueModel:
     """Critic: a sequence-classification model whose score head is read at every response token."""
 
+    samples_seen = 0  # as PolicyModel.samples_seen
+
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, micro_batch_size: int) -> None:
         self.model, self.tokenizer, self.micro_batch_size = model, tokenizer, micro_batch_size
 
@@ -461,11 +512,14 @@ class ValueModel:
         max_len = max(len(samples.prompt_ids[i]) + len(samples.response_ids[i]) for i in idx)
         rows = _token_readouts(samples, idx, max_len)
         outs = []
-        for start in range(0, len(rows), self.micro_batch_size):
-            batch = collate(rows[start : start + self.micro_batch_size], self.tokenizer.pad_token_id)
+        self.samples_seen += len(idx)
+        for micro, spare in _micro_batches(rows, self.micro_batch_size, self.model.device):
+            batch = collate(micro, self.tokenizer.pad_token_id)
             batch = batch.to(self.model.device)
             hidden = readout_hidden(self.model, batch, causal_lm=False)
-            outs.append(scatter_tokens(_linear(self.model.score, hidden).squeeze(-1).float(), batch, lengths, T))
+            values = _linear(self.model.score, hidden).squeeze(-1).float()
+            if not spare:
+                outs.append(scatter_tokens(values, batch, lengths, T))
         return _merge(outs)
 
 
@@ -486,13 +540,13 @@ class CriticRole(ValueModel):
     def update(self, batch: ValueBatch, orders: list[list[int]]) -> UpdateStats:
         """Mini-batch epochs as ``ActorRole.update``, on ``value_loss_coef`` x the clipped value loss."""
         u = self.settings
-        losses, clipfracs, per_step = [], [], []
+        steps, epochs = [], []
         self.model.train()
         for epoch, order in enumerate(orders):
             for mb in _chunks(order, u.mini_batch_size):
                 tokens = batch.mask[mb].sum()
                 total, frac = 0.0, 0.0
-                for part in _chunks(mb, self.micro_batch_size):
+                for part, spare in _update_shares(mb, self.micro_batch_size):
                     v = self._values(batch.samples, part)
                     T = v.shape[1]
                     dev = v.device
@@ -505,15 +559,19 @@ class CriticRole(ValueModel):
                         u.cliprange_value,
                         normaliser=tokens,
                     )
+                    if spare:  # as in ActorRole.update
+                        self.samples_seen -= len(part)
+                        (loss * 0).backward()
+                        continue
                     (u.value_loss_coef * loss).backward()
                     total += loss.item()
                     frac += clipfrac.item() * (m.sum() / tokens).item()
                 self.optim.step()
-                losses.append(total)
-                clipfracs.append(frac)
-                per_step.append((epoch, total))
-        metrics = {"value_loss": sum(losses) / len(losses), "value_clipfrac": sum(clipfracs) / len(clipfracs)}
-        return UpdateStats(metrics, per_step)
+                steps.append({"value_loss": total, "value_clipfrac": frac})
+                epochs.append(epoch)
+        steps = _sum_steps(steps, self.model.device)
+        metrics = {k: sum(t[k] for t in steps) / len(steps) for k in ("value_loss", "value_clipfrac")}
+        return UpdateStats(metrics, [(e, t["value_loss"]) for e, t in zip(epochs, steps)])
 
     def save(self, directory: str, with_optimizer: bool) -> None:
         self.optim.save(directory, self.tokenizer, with_optimizer)
@@ -530,6 +588,8 @@ class RewardOutput:
 
 
 class RewardFunction:
+    samples_seen = 0  # model rewards: as PolicyModel.samples_seen
+
     def score(self, samples: Samples) -> RewardOutput:
         raise NotImplementedError
 
@@ -624,13 +684,14 @@ class ORMReward(RewardFunction):
         ]
         rows, _ = pack(examples, max(len(e) for e in examples), "greedy")
         scores = torch.zeros(len(samples))
-        for start in range(0, len(rows), self.micro_batch_size):
-            batch = collate(rows[start : start + self.micro_batch_size], self.tokenizer.pad_token_id)
+        self.samples_seen += len(samples)
+        for micro, spare in _micro_batches(rows, self.micro_batch_size, self.model.device):
+            batch = collate(micro, self.tokenizer.pad_token_id)
             batch = batch.to(self.model.device)
             hidden = readout_hidden(self.model, batch, causal_lm=False)
-            scores[batch.records[batch.readout_example].cpu()] = (
-                _linear(self.model.score, hidden).squeeze(-1).float().cpu()
-            )
+            values = _linear(self.model.score, hidden).squeeze(-1).float().cpu()
+            if not spare:
+                scores[batch.records[batch.readout_example].cpu()] = values
         return RewardOutput(scores)
 
 
@@ -688,11 +749,14 @@ class PRMReward(RewardFunction):
         rows, _ = pack(examples, max(len(e) for e in examples), "greedy")
         per_sample: list[list[float]] = [[] for _ in range(len(samples))]
         head = self.model.get_output_embeddings()
-        for start in range(0, len(rows), self.micro_batch_size):
-            batch = collate(rows[start : start + self.micro_batch_size], self.tokenizer.pad_token_id)
+        self.samples_seen += len(samples)
+        for micro, spare in _micro_batches(rows, self.micro_batch_size, self.model.device):
+            batch = collate(micro, self.tokenizer.pad_token_id)
             batch = batch.to(self.model.device)
             hidden = readout_hidden(self.model, batch, causal_lm=True)
             logits = F.linear(hidden, full_weight(head.weight)[self.reward_token_ids])
+            if spare:
+                continue
             probs = step_scores(logits).cpu().tolist()
             for e, prob in zip(batch.records[batch.readout_example].tolist(), probs):
                 per_sample[e].append(prob)
