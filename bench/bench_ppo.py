@@ -134,6 +134,7 @@ def run_ours(a) -> dict:
             ppo_epochs=1,
             shuffle_minibatch=True,
             ignore_eos=a.mode == "fixed",
+            rollout_log_probs=not a.recompute_logprobs,
         ),
         critic=CriticSection(critic_mini_batch_size=mb, critic_update_epochs=1, value_loss_coef=0.1),
         ref=RefSection(),
@@ -322,6 +323,12 @@ def main() -> None:
         "fixed: equal random prompts, exactly --response-len tokens (EOS ignored)",
     )
     p.add_argument("--eos-bias", type=float, help="EOS logit bias of the actor head (default: realistic 3.0, fixed 0)")
+    p.add_argument(
+        "--recompute-logprobs",
+        action="store_true",
+        help="ours: old log-probs by a packed forward after generation (rollout_log_probs false) instead of "
+        "from the generation's logits (TRL's way, the default here)",
+    )
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
@@ -364,6 +371,7 @@ def main() -> None:
                 a.mode,
                 "--eos-bias",
                 str(a.eos_bias),
+                *(["--recompute-logprobs"] if a.recompute_logprobs else []),
             ]
             env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": str(a.threads)}
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
@@ -376,7 +384,8 @@ def main() -> None:
     print(
         f"PPO step ({a.mode}), B={a.batch} {prompts}, responses <= {a.response_len} tokens ({cap}, EOS bias "
         f"{a.eos_bias}), llama hidden {a.hidden} x {a.layers} layers, {a.threads} threads, "
-        f"median of {a.repeats} runs x {a.steps - 1} steps"
+        f"median of {a.repeats} runs x {a.steps - 1} steps; ours' old log-probs "
+        + ("recomputed by a forward" if a.recompute_logprobs else "from the generation's logits")
     )
     print("| phase | ours (s) | TRL (s) | ours / TRL |\n|---|---|---|---|")
     keys = ["rollout", "score", "update", "step", "step_cpu"]

@@ -16,6 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from llm.alignment.ppo.roles import RoleFailure
+from llm.alignment.ppo.trainer import make_samples
+from tests.helpers import tokenizer
 from tests.test_ppo_ray import ORM_REWARD, assert_same_step, fixed_responses, two_steps
 from tests.test_ppo_run import config
 
@@ -126,6 +128,12 @@ def test_split_calls_on_fewer_samples_than_ranks_and_generation(runs):
     finally:
         torch.set_num_threads(threads)
     assert theirs.generate(prompts, **sampled, seed=7) == expected
+    # rollout_log_probs: the log-probs recorded during the group's generation (synced_gpus: a rank that
+    # finished steps on) equal the packed forward's.
+    responses, logprobs = theirs.generate(prompts, **sampled, seed=7, with_log_probs=True)
+    assert responses == expected
+    forward = mine.log_probs(make_samples([local["trainer"].prompts[i] for i in range(3)], responses, tokenizer()))
+    torch.testing.assert_close(logprobs, forward, rtol=0, atol=1e-5)
 
 
 def test_a_rank_dying_inside_a_collective_ends_the_call_with_a_message(runs):

@@ -81,6 +81,15 @@ class ActorRolloutSection(ModelSection):
     shuffle_minibatch: bool = True
     entropy_coeff: float = 0.0
     ignore_eos: bool = False  # generate max_response_length tokens regardless of EOS (benchmarks)
+    rollout_log_probs: bool = field(
+        default=False,
+        metadata={
+            "help": "take the actor's old log-probs from the logits that generation computes anyway (as TRL "
+            "does) instead of a separate packed forward after it: one actor forward less per step. The two "
+            "differ by float rounding (KV-cached vs full forward; ~1e-6 in fp32, more in bf16). Not with "
+            "kl_penalty 'full', which needs the actor's whole distribution: that keeps the forward"
+        },
+    )
     num_gpus_for_train: int = 1
     num_gpus_for_infer: int = 1
 

@@ -183,6 +183,49 @@ def standard_attention(model: PreTrainedModel):
         model.set_attn_implementation(PACKED_SDPA)
 
 
+class _SampledLogProbs:
+    """During ``generate``: the log-prob at ``temperature`` of each sampled token, from the logits the
+    generation computes anyway. A hook on the LM head keeps the last position's log-softmax of each
+    forward; the next forward's input (the token just sampled, KV cache on) picks its entry; the last
+    token is picked after ``generate`` returns. Holds one ``(B, V)`` row at a time, never ``(B, T, V)``.
+    The raw head output is used, before any logits processor or sampling warper (top-k, top-p): the
+    same distribution as the packed forward's log-probs."""
+
+    def __init__(self, model: PreTrainedModel, temperature: float) -> None:
+        self.temperature, self.pending, self.steps = temperature, None, []
+        head = model.get_output_embeddings()
+        self.handles = [
+            head.register_forward_hook(self._head),
+            model.register_forward_pre_hook(self._next_input, with_kwargs=True),
+        ]
+
+    def _head(self, module, args, out) -> None:
+        self.pending = torch.log_softmax(out[:, -1].float() / self.temperature, -1)
+
+    def _next_input(self, module, args, kwargs) -> None:
+        if self.pending is not None:
+            self._take(kwargs["input_ids"][:, -1:])
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        self.steps.append(self.pending.gather(-1, tokens.to(self.pending.device)).squeeze(-1).cpu())
+        self.pending = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def finish(self, generated: torch.Tensor) -> torch.Tensor:
+        """``(B, N)`` log-probs of the ``N`` generated tokens ``generated`` (FSDP2 ranks stepping on after
+        they finished, ``synced_gpus``, record extra steps: only the first ``N`` are theirs)."""
+        if self.pending is not None and generated.shape[1]:
+            self._take(generated[:, -1:])
+        steps = self.steps[: generated.shape[1]]
+        return torch.stack(steps, 1) if steps else torch.zeros(generated.shape[0], 0)
+
+
 class PolicyModel:
     """A causal LM as reference or rollout copy: sampling and per-token log-probs at ``temperature``."""
 
@@ -206,8 +249,11 @@ class PolicyModel:
         top_k: int,
         ignore_eos: bool = False,
         seed: int | None = None,
-    ) -> list[list[int]]:
-        """Responses (with EOS if generated, without padding), ``num_samples`` per prompt, consecutive.
+        with_log_probs: bool = False,
+    ):
+        """Responses (with EOS if generated, without padding), ``num_samples`` per prompt, consecutive;
+        with ``with_log_probs`` also their tokens' log-probs ``(B, T)`` (right-padded with 0), taken
+        from the generation's own logits (``_SampledLogProbs``).
 
         ``seed`` reseeds torch's generator here, in the process that samples, so the responses do not
         depend on where the role runs."""
@@ -223,7 +269,8 @@ class PolicyModel:
         device = self.model.device
         was_training = self.model.training
         self.model.eval()
-        with standard_attention(self.model):
+        recorder = _SampledLogProbs(self.model, self.temperature) if with_log_probs else contextlib.nullcontext()
+        with standard_attention(self.model), recorder:
             out = self.model.generate(
                 input_ids=ids.to(device),
                 attention_mask=mask.to(device),
@@ -248,7 +295,12 @@ class PolicyModel:
                 while row and row[-1] == tok.pad_token_id:
                     row = row[:-1]
                 responses.append(row)
-        return responses
+        if not with_log_probs:
+            return responses
+        logprobs = recorder.finish(out[:, width:])
+        T = max((len(r) for r in responses), default=0)
+        keep = torch.arange(T)[None, :] < torch.tensor([len(r) for r in responses])[:, None]
+        return responses, logprobs[:, :T] * keep
 
     def log_probs(self, samples: Samples, with_logits: bool = False):
         """Per-token log-probs ``(B, T)`` of the responses (no gradient, CPU); with ``with_logits`` also
@@ -263,9 +315,12 @@ class PolicyModel:
         idx: list[int],
         with_entropy: bool = False,
         with_logits: bool = False,
+        entropy_grad: bool = False,
     ):
         """Per-token log-probs ``(b, T)`` of the responses of samples ``idx`` on the model's device (and
-        entropies / logits ``(b, T, V)``); differentiable unless the caller disables gradients."""
+        entropies / logits ``(b, T, V)``); differentiable unless the caller disables gradients. The
+        entropies are differentiable only with ``entropy_grad`` (an entropy bonus); otherwise they are a
+        statistic and their ``(b, T, V)`` intermediates are not kept for backward."""
         lengths = [len(samples.response_ids[i]) for i in idx]
         T = max(lengths)
         max_len = max(len(samples.prompt_ids[i]) + len(samples.response_ids[i]) for i in idx)
@@ -284,7 +339,8 @@ class PolicyModel:
             token_logp = logp.gather(-1, batch.readout_target[:, None]).squeeze(-1)
             outs.append(scatter_tokens(token_logp, batch, lengths, T))
             if with_entropy:
-                ents.append(scatter_tokens((-(logp.exp() * logp).sum(-1)), batch, lengths, T))
+                with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+                    ents.append(scatter_tokens((-(logp.exp() * logp).sum(-1)), batch, lengths, T))
             if with_logits:
                 all_logits.append(scatter_tokens(logits.detach(), batch, lengths, T))
         extra = []
@@ -440,7 +496,9 @@ class ActorRole(PolicyModel):
                 tokens = batch.mask[mb].sum()
                 totals = dict.fromkeys(names, 0.0)
                 for part, spare in _update_shares(mb, self.micro_batch_size):
-                    logp, entropy = self._log_probs(batch.samples, part, with_entropy=True)
+                    logp, entropy = self._log_probs(
+                        batch.samples, part, with_entropy=True, entropy_grad=bool(u.entropy_coeff)
+                    )
                     T = logp.shape[1]
                     dev = logp.device
                     m = batch.mask[part, :T].to(dev)

@@ -151,11 +151,14 @@ class PPOTrainer:
         return out
 
     # --- phase 1: rollout --------------------------------------------------------------------
-    def rollout(self, indices: list[int]) -> Samples:
+    def rollout(self, indices: list[int]) -> tuple[Samples, torch.Tensor | None]:
+        """The samples, and with ``rollout_log_probs`` the actor's log-probs of their tokens from the
+        generation's logits (None: the score phase computes them with a forward)."""
         a = self.c.actor_rollout
         prompts = [self.prompts[i] for i in indices]
         generator = self.actor if self.rollout_copy is None else self.rollout_copy
-        responses = generator.generate(
+        reuse = a.rollout_log_probs and self.c.algorithm.kl_penalty != "full"
+        out = generator.generate(
             [p.ids for p in prompts],
             num_samples=a.num_samples_per_step,
             max_new_tokens=a.max_response_length,
@@ -164,15 +167,21 @@ class PPOTrainer:
             top_k=a.top_k,
             ignore_eos=a.ignore_eos,
             seed=self.c.training.seed * 1_000_003 + self.step,  # sampling depends on the step only
+            with_log_probs=reuse,
         )
-        return self.make_samples(prompts, responses)
+        responses, logprobs = out if reuse else (out, None)
+        if logprobs is not None and not all(responses):
+            logprobs = None  # an empty response is scored on a stand-in EOS: no generated log-prob for it
+        return self.make_samples(prompts, responses), logprobs
 
     def make_samples(self, prompts: list[Prompt], responses: list[list[int]]) -> Samples:
         return make_samples(prompts, responses, self.tokenizer)
 
     # --- phase 2: score ----------------------------------------------------------------------
     @torch.no_grad()
-    def score(self, samples: Samples) -> Scored:
+    def score(self, samples: Samples, rollout_logprobs: torch.Tensor | None = None) -> Scored:
+        """``rollout_logprobs``: the actor's log-probs from generation (``rollout_log_probs``), used
+        instead of the actor's forward."""
         alg, rw = self.c.algorithm, self.c.reward
         mask = samples.response_mask()
         full = alg.kl_penalty == "full" and self.ref is not None
@@ -181,7 +190,7 @@ class PPOTrainer:
             ref_logprobs, ref_logits = self.ref.log_probs(samples, with_logits=True)
             kl = full_kl(actor_logits, ref_logits)
         else:
-            logprobs = self.actor.log_probs(samples)
+            logprobs = self.actor.log_probs(samples) if rollout_logprobs is None else rollout_logprobs
             ref_logprobs = self.ref.log_probs(samples) if self.ref is not None else None
             kl = kl_estimate(logprobs, ref_logprobs, alg.kl_penalty) if ref_logprobs is not None else 0 * logprobs
         values = self.critic.values(samples) if self.critic is not None else None
@@ -247,11 +256,11 @@ class PPOTrainer:
         t0 = time.perf_counter()
         indices = self.prompt_indices(self.step)
         if responses is None:
-            samples = self.rollout(indices)
+            samples, rollout_logprobs = self.rollout(indices)
         else:
-            samples = self.make_samples([self.prompts[i] for i in indices], responses)
+            samples, rollout_logprobs = self.make_samples([self.prompts[i] for i in indices], responses), None
         t1 = time.perf_counter()
-        scored = self.score(samples)
+        scored = self.score(samples, rollout_logprobs)
         t2 = time.perf_counter()
         exp = self.advantages(scored)
         t3 = time.perf_counter()
