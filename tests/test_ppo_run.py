@@ -270,3 +270,19 @@ def test_every_ppo_config_in_tree_parses():
     for path in files:
         c = parse_ppo_config([path])
         assert c.actor_rollout.model_name_or_path and c.data.train_dataset_path
+
+
+def test_forwards_pack_samples_into_rows_without_padding():
+    """Role forwards pack examples into one row each, of at most micro_batch_size x the longest example:
+    no padding between examples, never more positions than micro_batch_size padded examples."""
+    from llm.alignment.ppo.roles import _micro_batches
+    from llm.data.packing import causal_example
+
+    lengths = [40, 9, 12, 31, 5, 40, 7, 22]
+    examples = [causal_example(list(range(3, 3 + n)), [n - 1], [0], record=i) for i, n in enumerate(lengths)]
+    batches = _micro_batches(examples, 2, torch.device("cpu"))
+    assert all(len(rows) == 1 and not spare for rows, spare in batches)
+    used = [len(rows[0]) for rows, _ in batches]
+    assert sum(used) == sum(lengths) and max(used) <= 2 * 40
+    assert sorted(r for rows, _ in batches for r in rows[0].records) == list(range(len(lengths)))
+    assert len(batches) == 3  # 166 tokens in rows of 80 (greedy best fit), against 4 padded pairs

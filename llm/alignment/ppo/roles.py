@@ -89,15 +89,14 @@ class Samples:
         return (torch.arange(T)[None, :] < lengths[:, None]).float()
 
 
-def _token_readouts(samples: Samples, idx: list[int], max_len: int):
-    """Pack prompt+response of samples ``idx``; a readout at the token before each response token."""
+def _token_readouts(samples: Samples, idx: list[int]) -> list:
+    """Prompt+response of samples ``idx`` as examples; a readout at the token before each response token."""
     examples = []
     for k, i in enumerate(idx):
         p, r = samples.prompt_ids[i], samples.response_ids[i]
         positions = list(range(len(p) - 1, len(p) + len(r) - 1))
         examples.append(causal_example(p + r, positions, r, record=k))
-    rows, _ = pack(examples, max_len, "greedy")
-    return rows
+    return examples
 
 
 def scatter_tokens(values: torch.Tensor, batch, lengths: list[int], T: int) -> torch.Tensor:
@@ -139,11 +138,14 @@ def _rank_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if _sharded() else (0, 1)
 
 
-def _micro_batches(rows: list, size: int, device) -> list[tuple[list, bool]]:
-    """``rows`` in micro-batches of ``size``, each with True for a spare: in an FSDP2 group every rank
-    makes as many forwards as the rank with the most (spares repeat the first micro-batch; drop their
-    output). In one process: just the micro-batches, no collective."""
-    batches = [rows[i : i + size] for i in range(0, len(rows), size)]
+def _micro_batches(examples: list, size: int, device) -> list[tuple[list, bool]]:
+    """``examples`` packed into one row per forward, each with True for a spare. A row holds up to
+    ``size`` x the longest example's tokens (greedy best fit): never more positions than ``size`` padded
+    examples, and no padding between examples. In an FSDP2 group every rank makes as many forwards as
+    the rank with the most (spares repeat the first row; drop their output). In one process: just the
+    rows, no collective."""
+    rows, _ = pack(examples, size * max(len(e) for e in examples), "greedy")
+    batches = [[row] for row in rows]
     return list(with_spares(batches, most_over_ranks(len(batches), device), batches[0]))
 
 
@@ -323,12 +325,11 @@ class PolicyModel:
         statistic and their ``(b, T, V)`` intermediates are not kept for backward."""
         lengths = [len(samples.response_ids[i]) for i in idx]
         T = max(lengths)
-        max_len = max(len(samples.prompt_ids[i]) + len(samples.response_ids[i]) for i in idx)
-        rows = _token_readouts(samples, idx, max_len)
+        examples = _token_readouts(samples, idx)
         head = self.model.get_output_embeddings()
         outs, ents, all_logits = [], [], []
         self.samples_seen += len(idx)
-        for micro, spare in _micro_batches(rows, self.micro_batch_size, self.model.device):
+        for micro, spare in _micro_batches(examples, self.micro_batch_size, self.model.device):
             batch = collate(micro, self.tokenizer.pad_token_id)
             batch = batch.to(self.model.device)
             hidden = readout_hidden(self.model, batch, causal_lm=True)
@@ -567,11 +568,10 @@ class ValueModel:
     def _values(self, samples: Samples, idx: list[int]) -> torch.Tensor:
         lengths = [len(samples.response_ids[i]) for i in idx]
         T = max(lengths)
-        max_len = max(len(samples.prompt_ids[i]) + len(samples.response_ids[i]) for i in idx)
-        rows = _token_readouts(samples, idx, max_len)
+        examples = _token_readouts(samples, idx)
         outs = []
         self.samples_seen += len(idx)
-        for micro, spare in _micro_batches(rows, self.micro_batch_size, self.model.device):
+        for micro, spare in _micro_batches(examples, self.micro_batch_size, self.model.device):
             batch = collate(micro, self.tokenizer.pad_token_id)
             batch = batch.to(self.model.device)
             hidden = readout_hidden(self.model, batch, causal_lm=False)
@@ -740,10 +740,9 @@ class ORMReward(RewardFunction):
             causal_example(p + r, [len(p) + len(r) - 1], [0], record=i)
             for i, (p, r) in enumerate(zip(prompts, responses))
         ]
-        rows, _ = pack(examples, max(len(e) for e in examples), "greedy")
         scores = torch.zeros(len(samples))
         self.samples_seen += len(samples)
-        for micro, spare in _micro_batches(rows, self.micro_batch_size, self.model.device):
+        for micro, spare in _micro_batches(examples, self.micro_batch_size, self.model.device):
             batch = collate(micro, self.tokenizer.pad_token_id)
             batch = batch.to(self.model.device)
             hidden = readout_hidden(self.model, batch, causal_lm=False)
@@ -804,11 +803,10 @@ class PRMReward(RewardFunction):
             r = self.tokenizer(prm_response_text(steps, self.placeholder), add_special_tokens=False)["input_ids"]
             marks = [len(p) + k for k, t in enumerate(r) if t == self.placeholder_id]
             examples.append(causal_example(p + r, marks, [0] * len(marks), record=i))
-        rows, _ = pack(examples, max(len(e) for e in examples), "greedy")
         per_sample: list[list[float]] = [[] for _ in range(len(samples))]
         head = self.model.get_output_embeddings()
         self.samples_seen += len(samples)
-        for micro, spare in _micro_batches(rows, self.micro_batch_size, self.model.device):
+        for micro, spare in _micro_batches(examples, self.micro_batch_size, self.model.device):
             batch = collate(micro, self.tokenizer.pad_token_id)
             batch = batch.to(self.model.device)
             hidden = readout_hidden(self.model, batch, causal_lm=True)
