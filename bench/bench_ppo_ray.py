@@ -12,7 +12,7 @@ response has exactly ``--response-len`` tokens, so each step does the same work)
 
 Every process runs one thread (``OMP_NUM_THREADS=1``), so the Ray roles do the same arithmetic as
 the local run and the difference is Ray's overhead: serialising arguments and results, the object
-store, and the round trips (the trainer calls roles one after another). The first step of each run
+store, and the round trips (the independent calls of a phase overlap: `resource_pool.concurrent_roles`). The first step of each run
 is a warm-up; the table reports medians over the remaining steps and over ``--repeats`` rounds
 (modes interleaved per round, so load from other tenants falls on all of them).
 

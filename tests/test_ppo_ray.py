@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import pytest
 import torch
@@ -138,6 +139,30 @@ class TestRayEqualsOneProcess:
         assert remote["steps"][1]["exp"].scored.samples.response_ids == responses
         assert local["stale"] != responses
         assert_same_step(local["steps"][1], remote["steps"][1])
+
+    def test_independent_role_calls_of_a_phase_overlap(self, runs, monkeypatch):
+        """resource_pool.concurrent_roles (default): the actor and critic updates (and the scoring calls)
+        are in flight at the same time, each waiting on its own actor; false: one after the other."""
+        _, remote = runs
+        trainer = remote["trainer"]
+        spans = {}
+        for name in ("actor", "critic"):
+            update = getattr(trainer, name).update
+
+            def timed(*args, _update=update, _name=name, **kwargs):
+                start = time.perf_counter()
+                out = _update(*args, **kwargs)
+                spans[_name] = (start, time.perf_counter())
+                return out
+
+            monkeypatch.setattr(getattr(trainer, name), "update", timed, raising=False)
+        overlap = {}
+        for concurrent in (True, False):
+            monkeypatch.setattr(trainer.c.resource_pool, "concurrent_roles", concurrent)
+            trainer.train_step(responses=fixed_responses(SAMPLES))
+            (a0, a1), (c0, c1) = spans["actor"], spans["critic"]
+            overlap[concurrent] = a0 < c1 and c0 < a1
+        assert overlap == {True: True, False: False}
 
     def test_weight_sync_to_a_stuck_rollout_copy_times_out(self, runs):
         _, remote = runs

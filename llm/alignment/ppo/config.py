@@ -223,6 +223,12 @@ class ResourcePool:
     weight_sync_timeout: float = _help(
         300.0, "seconds the actor -> rollout copy weight sync may take before the run stops naming it"
     )
+    concurrent_roles: bool = _help(
+        True,
+        "with Ray: the independent calls of a phase run at the same time in their own actors (scoring: actor "
+        "and reference log-probs, values, reward; update: actor and critic); colocated roles still take turns "
+        "in their shared process. Same numbers either way; false: one call after another",
+    )
 
     def amount(self, role: str) -> float:
         return getattr(self, role)

@@ -18,6 +18,7 @@ import os
 import random
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -134,6 +135,31 @@ class PPOTrainer:
         self.log_history: list[dict] = []
         self.writer = None
 
+    def together(self, *calls):
+        """The results of independent role calls, each ``(role, zero-argument callable)``, in order. With
+        Ray roles and ``resource_pool.concurrent_roles`` the calls to roles in different processes run
+        at the same time, each waiting on its own actors; calls to colocated roles (one process) run one
+        after another in call order, as they would there anyway, so a failure is reported by the call
+        that met it. In one process (or without the setting): one after another. The first failure is
+        raised once every call has ended (each is bounded by ``call_timeout``)."""
+        pool = self.c.resource_pool
+        if not (pool.use_ray and pool.concurrent_roles) or len(calls) < 2:
+            return [fn() for _, fn in calls]
+        lanes: dict = {}  # process group -> indices of its calls
+        for i, (role, _) in enumerate(calls):
+            lanes.setdefault(tuple(getattr(role, "pids", ())) or id(role), []).append(i)
+        results: list = [None] * len(calls)
+
+        def run(indices):
+            for i in indices:
+                results[i] = calls[i][1]()
+
+        with ThreadPoolExecutor(len(lanes), thread_name_prefix="ppo-role") as executor:
+            futures = [executor.submit(run, indices) for indices in lanes.values()]
+            for f in futures:
+                f.result()
+        return results
+
     # --- phase 0: which prompts --------------------------------------------------------------
     def prompt_indices(self, step: int) -> list[int]:
         """Prompts of ``step``: a fresh seeded permutation per pass over the data, so the order only
@@ -185,16 +211,30 @@ class PPOTrainer:
         alg, rw = self.c.algorithm, self.c.reward
         mask = samples.response_mask()
         full = alg.kl_penalty == "full" and self.ref is not None
+
+        def actor():
+            if full:
+                return self.actor.log_probs(samples, with_logits=True)
+            return self.actor.log_probs(samples) if rollout_logprobs is None else rollout_logprobs
+
+        def ref():
+            return self.ref.log_probs(samples, with_logits=full) if self.ref is not None else None
+
+        def critic():
+            return self.critic.values(samples) if self.critic is not None else None
+
+        actor_out, ref_out, values, out = self.together(
+            (self.actor, actor),
+            (self.ref, ref),
+            (self.critic, critic),
+            (self.reward, lambda: self.reward.score(samples)),
+        )
         if full:
-            logprobs, actor_logits = self.actor.log_probs(samples, with_logits=True)
-            ref_logprobs, ref_logits = self.ref.log_probs(samples, with_logits=True)
+            (logprobs, actor_logits), (ref_logprobs, ref_logits) = actor_out, ref_out
             kl = full_kl(actor_logits, ref_logits)
         else:
-            logprobs = self.actor.log_probs(samples) if rollout_logprobs is None else rollout_logprobs
-            ref_logprobs = self.ref.log_probs(samples) if self.ref is not None else None
+            logprobs, ref_logprobs = actor_out, ref_out
             kl = kl_estimate(logprobs, ref_logprobs, alg.kl_penalty) if ref_logprobs is not None else 0 * logprobs
-        values = self.critic.values(samples) if self.critic is not None else None
-        out = self.reward.score(samples)
         raw = out.scores.clone()
         scores = out.scores.clone()
         if alg.missing_eos_penalty is not None:
@@ -230,19 +270,19 @@ class PPOTrainer:
         gen = torch.Generator().manual_seed(self.c.training.seed * 7919 + self.step * 31 + salt)
         return [torch.randperm(n, generator=gen).tolist() if shuffle else list(range(n)) for _ in range(epochs)]
 
-    def update_actor(self, exp: Experience) -> dict:
+    def update_actor(self, exp: Experience) -> UpdateStats:
         a, s = self.c.actor_rollout, exp.scored
         batch = PolicyBatch(s.samples, s.mask, s.logprobs, exp.advantages, s.ref_logprobs)
         orders = self._orders(len(s.samples), a.ppo_epochs, a.shuffle_minibatch, 0)
-        return self._record("actor", self.actor.update(batch, orders))
+        return self.actor.update(batch, orders)
 
-    def update_critic(self, exp: Experience) -> dict:
+    def update_critic(self, exp: Experience) -> UpdateStats:
         s = exp.scored
         batch = ValueBatch(s.samples, s.mask, s.values, exp.returns)
         orders = self._orders(
             len(s.samples), self.c.critic.critic_update_epochs, self.c.actor_rollout.shuffle_minibatch, 1
         )
-        return self._record("critic", self.critic.update(batch, orders))
+        return self.critic.update(batch, orders)
 
     def _record(self, role: str, stats: UpdateStats) -> dict:
         for epoch, loss in stats.losses:
@@ -264,9 +304,12 @@ class PPOTrainer:
         t2 = time.perf_counter()
         exp = self.advantages(scored)
         t3 = time.perf_counter()
-        stats = self.update_actor(exp)
+        updates = [("actor", self.actor, lambda: self.update_actor(exp))]
         if self.critic is not None:
-            stats.update(self.update_critic(exp))
+            updates.append(("critic", self.critic, lambda: self.update_critic(exp)))
+        stats = {}
+        for (name, _, _), part in zip(updates, self.together(*((role, fn) for _, role, fn in updates))):
+            stats.update(self._record(name, part))  # in role order, however the calls overlapped
         if self.rollout_copy is not None:
             self.rollout_copy.sync_from(self.actor)
         t4 = time.perf_counter()
