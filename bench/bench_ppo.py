@@ -123,7 +123,12 @@ def run_ours(a) -> dict:
     mb = a.batch // 2
     config = PPOConfig(
         training=TrainingSection(
-            seed=0, learning_rate=1e-5, max_grad_norm=0.0, max_steps=a.steps, micro_batch_size=a.batch, report_to="none"
+            seed=a.seed,
+            learning_rate=1e-5,
+            max_grad_norm=0.0,
+            max_steps=a.steps,
+            micro_batch_size=a.batch,
+            report_to="none",
         ),
         actor_rollout=ActorRolloutSection(
             temperature=1.0,
@@ -246,7 +251,7 @@ def run_trl(a) -> dict:
             output_dir=tmp,
             report_to="none",
             use_cpu=True,
-            seed=0,
+            seed=a.seed,
             per_device_train_batch_size=a.batch // 2,
             gradient_accumulation_steps=1,
             num_mini_batches=2,
@@ -281,7 +286,7 @@ def run_trl(a) -> dict:
             value_model=critic,
             callbacks=[EndOfStep()],
         )
-        np.random.seed(0)
+        np.random.seed(a.seed)
         trainer.train()
     rows = []
     for start, gen, whiten, end, tokens, width, sub, cpu0, cpu1 in zip(
@@ -332,6 +337,13 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="sampling seed of one run (the driver gives repeat k seed k on both sides, so that the sampled "
+        "response lengths, which set the work, average out over repeats instead of favouring one side)",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true")
@@ -346,7 +358,7 @@ def main() -> None:
     if a.quick:
         a.batch, a.response_len, a.steps, a.repeats, a.hidden = 8, 16, 2, 1, 128
     results: dict[str, list[dict]] = {"ours": [], "trl": []}
-    for _ in range(a.repeats):
+    for rep in range(a.repeats):
         for name in ("ours", "trl"):  # interleaved
             cmd = [
                 sys.executable,
@@ -372,6 +384,8 @@ def main() -> None:
                 "--eos-bias",
                 str(a.eos_bias),
                 *(["--recompute-logprobs"] if a.recompute_logprobs else []),
+                "--seed",
+                str(a.seed + rep),
             ]
             env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": str(a.threads)}
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)

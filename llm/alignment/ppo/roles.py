@@ -272,7 +272,10 @@ class PolicyModel:
         was_training = self.model.training
         self.model.eval()
         recorder = _SampledLogProbs(self.model, self.temperature) if with_log_probs else contextlib.nullcontext()
-        with standard_attention(self.model), recorder:
+        # inference_mode: ~15% less per-op overhead than no_grad in the decoding loop on CPU. Not in an
+        # FSDP2 group, whose all-gathered parameters must stay usable by the training forwards after.
+        mode = contextlib.nullcontext() if _sharded() else torch.inference_mode()
+        with standard_attention(self.model), recorder, mode:
             out = self.model.generate(
                 input_ids=ids.to(device),
                 attention_mask=mask.to(device),
