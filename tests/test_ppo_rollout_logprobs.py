@@ -70,3 +70,52 @@ def test_run_with_rollout_log_probs_equals_run_without(tmp_path, monkeypatch):
     for a, b in zip(runs[False], runs[True], strict=True):
         for key in ("score", "kl", "response_length", "policy_loss", "value_loss", "approx_kl", "clipfrac"):
             assert b[key] == pytest.approx(a[key], abs=1e-5), key
+
+
+def test_fsdp2_generation_gathers_each_module_once(monkeypatch):
+    """gathered_for_decoding: an FSDP2-sharded policy all-gathers each module once per generate call
+    instead of at every decoding step, with the same responses (a 1-process gloo group)."""
+    import socket
+
+    import torch.distributed as dist
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
+    from torch.distributed.fsdp import fully_shard
+
+    from llm.alignment.ppo.roles import gathered_for_decoding
+
+    gathers = []  # unshards that gather (not the no-op ones of an already unsharded module)
+    real = param_group.FSDPParamGroup.unshard
+
+    def unshard(self, *args, **kwargs):
+        if not self.is_unsharded:
+            gathers.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(param_group.FSDPParamGroup, "unshard", unshard)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        tok = tokenizer()
+        model = tiny_model(hidden_size=64, intermediate_size=128, num_hidden_layers=2).eval()
+        for layer in model.model.layers:
+            fully_shard(layer, reshard_after_forward=True)
+        fully_shard(model, reshard_after_forward=True)
+        prompt = torch.tensor([tok("Tony buys 3 kg of cheese.")["input_ids"]])
+        kwargs = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False, "pad_token_id": tok.pad_token_id}
+        runs = {}
+        for gather in (False, True):
+            gathers.clear()
+            with torch.no_grad(), gathered_for_decoding(model, gather):
+                out = model.generate(prompt, **kwargs)
+            runs[gather] = (out.tolist(), len(gathers))
+        modules = 3  # two layers and the root
+        assert runs[True][0] == runs[False][0]
+        assert runs[True][1] == modules and runs[False][1] == 8 * modules  # once, against once per step
+        # afterwards the model is sharded again and trains as before: a forward gathers again
+        gathers.clear()
+        model(prompt)
+        assert len(gathers) >= 2
+    finally:
+        dist.destroy_process_group()

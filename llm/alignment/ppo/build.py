@@ -205,7 +205,9 @@ def build_actor(c: PPOConfig, place: Place) -> ActorRole:
     a, tok = c.actor_rollout, actor_tokenizer(c)
     model = _load(c, AutoModelForCausalLM, a.model_name_or_path, a.init_from_config, tok, place, True)
     micro = c.training.micro_batch_size
-    return ActorRole(model, tok, a.temperature, micro, _optim(c, model, "actor_rollout", place), policy_update(c))
+    actor = ActorRole(model, tok, a.temperature, micro, _optim(c, model, "actor_rollout", place), policy_update(c))
+    actor.gather_for_generation = a.gather_weights_for_generation
+    return actor
 
 
 def build_ref(c: PPOConfig, place: Place) -> PolicyModel:
@@ -227,7 +229,9 @@ def build_rollout(c: PPOConfig, place: Place) -> PolicyModel:
     """A generation copy of the actor: the actor's initial weights, then whatever ``sync_from`` sends."""
     a, tok = c.actor_rollout, actor_tokenizer(c)
     model = _load(c, AutoModelForCausalLM, a.model_name_or_path, a.init_from_config, tok, place, False)
-    return PolicyModel(model, tok, a.temperature, c.training.micro_batch_size)
+    rollout = PolicyModel(model, tok, a.temperature, c.training.micro_batch_size)
+    rollout.gather_for_generation = a.gather_weights_for_generation
+    return rollout
 
 
 def build_critic(c: PPOConfig, place: Place) -> CriticRole:

@@ -81,6 +81,14 @@ class ActorRolloutSection(ModelSection):
     shuffle_minibatch: bool = True
     entropy_coeff: float = 0.0
     ignore_eos: bool = False  # generate max_response_length tokens regardless of EOS (benchmarks)
+    gather_weights_for_generation: bool = field(
+        default=True,
+        metadata={
+            "help": "an actor (or rollout copy) sharded over an FSDP2 group all-gathers its full weights once per "
+            "generate call and keeps them while decoding, instead of at every decoding step: every rank then "
+            "holds the whole model during generation; false for a model whose full weights do not fit one device"
+        },
+    )
     rollout_log_probs: bool = field(
         default=False,
         metadata={

@@ -228,8 +228,41 @@ class _SampledLogProbs:
         return torch.stack(steps, 1) if steps else torch.zeros(generated.shape[0], 0)
 
 
+@contextlib.contextmanager
+def gathered_for_decoding(model: PreTrainedModel, enabled: bool = True):
+    """In an FSDP2 group: all-gather each sharded module once for a whole ``generate`` call (kept
+    unsharded across the decoding steps, freed after) instead of at every decoding step; every rank
+    then holds the full weights while it generates, as rollout engines do. Elsewhere, or when FSDP2's
+    internals differ from what this expects, nothing changes (the per-step gathers stay)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)] if enabled else []
+    try:
+        states = [m._get_fsdp_state() for m in modules]
+        saved = [(st, st._auto_reshard_after_forward) for st in states]
+        groups = [(g, g.post_forward_mesh_info) for st in states for g in st._fsdp_param_groups]
+    except AttributeError:
+        modules = []
+    if not modules:
+        yield
+        return
+    for m in modules:
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.reshard()
+        for st, auto in saved:
+            st._auto_reshard_after_forward = auto
+        for g, info in groups:
+            g.post_forward_mesh_info = info
+
+
 class PolicyModel:
     """A causal LM as reference or rollout copy: sampling and per-token log-probs at ``temperature``."""
+
+    gather_for_generation = True  # FSDP2: full weights once per generate call (``gathered_for_decoding``)
 
     samples_seen = 0  # samples this process ran forwards over (a rank of a group: its slices only)
 
@@ -275,7 +308,8 @@ class PolicyModel:
         # inference_mode: ~15% less per-op overhead than no_grad in the decoding loop on CPU. Not in an
         # FSDP2 group, whose all-gathered parameters must stay usable by the training forwards after.
         mode = contextlib.nullcontext() if _sharded() else torch.inference_mode()
-        with standard_attention(self.model), recorder, mode:
+        gathered = gathered_for_decoding(self.model, self.gather_for_generation and _sharded())
+        with standard_attention(self.model), recorder, mode, gathered:
             out = self.model.generate(
                 input_ids=ids.to(device),
                 attention_mask=mask.to(device),
