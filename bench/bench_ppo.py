@@ -99,7 +99,7 @@ class Timers:
 def run_ours(a) -> dict:
     import torch
 
-    from llm.alignment.ppo.build import policy_update, value_update
+    from llm.alignment.ppo.build import trainer_for_models
     from llm.alignment.ppo.config import (
         ActorRolloutSection,
         AlgorithmSection,
@@ -112,8 +112,7 @@ def run_ours(a) -> dict:
         RewardSection,
         TrainingSection,
     )
-    from llm.alignment.ppo.roles import ActorRole, CriticRole, ORMReward, PolicyModel, TrainableRole
-    from llm.alignment.ppo.trainer import PPOTrainer, Prompt
+    from llm.alignment.ppo.trainer import Prompt
     from llm.utils.attention import PACKED_SDPA
     from tests.helpers import tokenizer
 
@@ -149,24 +148,7 @@ def run_ours(a) -> dict:
         resource_pool=ResourcePool(),
     )
     prompts = [Prompt(p, "", None) for p in prompt_ids(a, tok)]
-    trainer = PPOTrainer(
-        config,
-        prompts,
-        tok,
-        ActorRole(
-            policy,
-            tok,
-            1.0,
-            a.batch,
-            TrainableRole(policy, 1e-5, 0.0, (0.9, 0.999), 1e-8, 0.0, 0),
-            policy_update(config),
-        ),
-        ORMReward(reward.eval(), tok, tok, a.batch),
-        PolicyModel(ref.eval(), tok, 1.0, a.batch),
-        CriticRole(
-            critic, tok, a.batch, TrainableRole(critic, 1e-5, 0.0, (0.9, 0.999), 1e-8, 0.0, 0), value_update(config)
-        ),
-    )
+    trainer = trainer_for_models(config, prompts, tok, policy, ref, critic, reward)
     timers = Timers()
     timers.wrap(trainer.actor, "log_probs", "score/actor_logprobs")
     timers.wrap(trainer.ref, "log_probs", "score/ref_logprobs")

@@ -171,7 +171,7 @@ def run_trl(a) -> dict:
 
 
 def run_ours(a, orders) -> dict:
-    from llm.alignment.ppo.build import policy_update, value_update
+    from llm.alignment.ppo.build import trainer_for_models
     from llm.alignment.ppo.config import (
         ActorRolloutSection,
         AlgorithmSection,
@@ -184,8 +184,7 @@ def run_ours(a, orders) -> dict:
         RewardSection,
         TrainingSection,
     )
-    from llm.alignment.ppo.roles import ActorRole, CriticRole, ORMReward, PolicyModel, TrainableRole
-    from llm.alignment.ppo.trainer import PPOTrainer, Prompt
+    from llm.alignment.ppo.trainer import Prompt
     from llm.utils.attention import PACKED_SDPA
     from tests.helpers import tokenizer
 
@@ -225,17 +224,8 @@ def run_ours(a, orders) -> dict:
         data=DataSection(rollout_batch_size=B),
         resource_pool=ResourcePool(),
     )
-    trainer = PPOTrainer(
-        config,
-        [Prompt(p.tolist(), f"prompt {i}", None) for i, p in enumerate(prompts)],
-        tok,
-        ActorRole(
-            policy, tok, 1.0, B, TrainableRole(policy, a.lr, 0.0, (0.9, 0.999), 1e-8, 0.0, 0), policy_update(config)
-        ),
-        ORMReward(reward.eval(), tok, tok, B),
-        PolicyModel(ref.eval(), tok, 1.0, B),
-        CriticRole(critic, tok, B, TrainableRole(critic, a.lr, 0.0, (0.9, 0.999), 1e-8, 0.0, 0), value_update(config)),
-    )
+    prompt_list = [Prompt(p.tolist(), f"prompt {i}", None) for i, p in enumerate(prompts)]
+    trainer = trainer_for_models(config, prompt_list, tok, policy, ref, critic, reward)
     trainer.prompt_indices = lambda step: orders[step]
     out = {"responses": [], "weights": [], "scores": [], "pg": [], "vf": []}
     rollout, captured = trainer.rollout, []
@@ -244,7 +234,7 @@ def run_ours(a, orders) -> dict:
         trainer.history.clear()
         out["weights"].append(snapshot(policy))
         metrics = trainer.train_step()
-        samples = captured[-1]
+        samples, _ = captured[-1]  # rollout: (samples, log-probs from generation or None)
         resp = [None] * B
         for r, i in zip(samples.response_ids, orders[step]):
             resp[i] = list(r)

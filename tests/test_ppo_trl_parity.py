@@ -27,7 +27,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from llm.alignment.ppo.build import policy_update, value_update
+from llm.alignment.ppo.build import trainer_for_models
 from llm.alignment.ppo.config import (
     ActorRolloutSection,
     AlgorithmSection,
@@ -40,8 +40,7 @@ from llm.alignment.ppo.config import (
     RewardSection,
     TrainingSection,
 )
-from llm.alignment.ppo.roles import ActorRole, CriticRole, ORMReward, PolicyModel, TrainableRole
-from llm.alignment.ppo.trainer import PPOTrainer, Prompt
+from llm.alignment.ppo.trainer import Prompt
 from llm.utils.attention import PACKED_SDPA
 from llm.utils.modeling import tiny_config
 from tests.helpers import tokenizer
@@ -181,17 +180,8 @@ def run_ours(orders):
         data=DataSection(rollout_batch_size=B),
         resource_pool=ResourcePool(),
     )
-    trainer = PPOTrainer(
-        config,
-        [Prompt(p.tolist(), f"prompt {i}", None) for i, p in enumerate(prompts)],
-        tok,
-        ActorRole(
-            policy, tok, 1.0, B, TrainableRole(policy, LR, 0.0, (0.9, 0.999), 1e-8, 0.0, 0), policy_update(config)
-        ),
-        ORMReward(reward.eval(), tok, tok, B),
-        PolicyModel(ref.eval(), tok, 1.0, B),
-        CriticRole(critic, tok, B, TrainableRole(critic, LR, 0.0, (0.9, 0.999), 1e-8, 0.0, 0), value_update(config)),
-    )
+    prompt_list = [Prompt(p.tolist(), f"prompt {i}", None) for i, p in enumerate(prompts)]
+    trainer = trainer_for_models(config, prompt_list, tok, policy, ref, critic, reward)
     trainer.prompt_indices = lambda step: orders[step]
     tokens, losses = [], []
     for step in range(STEPS):

@@ -205,9 +205,8 @@ def build_actor(c: PPOConfig, place: Place) -> ActorRole:
     a, tok = c.actor_rollout, actor_tokenizer(c)
     model = _load(c, AutoModelForCausalLM, a.model_name_or_path, a.init_from_config, tok, place, True)
     micro = c.training.micro_batch_size
-    actor = ActorRole(model, tok, a.temperature, micro, _optim(c, model, "actor_rollout", place), policy_update(c))
-    actor.gather_for_generation = a.gather_weights_for_generation
-    return actor
+    optim = _optim(c, model, "actor_rollout", place)
+    return ActorRole(model, tok, a.temperature, micro, optim, policy_update(c), a.gather_weights_for_generation)
 
 
 def build_ref(c: PPOConfig, place: Place) -> PolicyModel:
@@ -229,9 +228,7 @@ def build_rollout(c: PPOConfig, place: Place) -> PolicyModel:
     """A generation copy of the actor: the actor's initial weights, then whatever ``sync_from`` sends."""
     a, tok = c.actor_rollout, actor_tokenizer(c)
     model = _load(c, AutoModelForCausalLM, a.model_name_or_path, a.init_from_config, tok, place, False)
-    rollout = PolicyModel(model, tok, a.temperature, c.training.micro_batch_size)
-    rollout.gather_for_generation = a.gather_weights_for_generation
-    return rollout
+    return PolicyModel(model, tok, a.temperature, c.training.micro_batch_size, a.gather_weights_for_generation)
 
 
 def build_critic(c: PPOConfig, place: Place) -> CriticRole:
@@ -290,6 +287,21 @@ def load_prompts(c: PPOConfig) -> list[Prompt]:
     records = list(load_dataset_records(c.data.train_dataset_path, "prompt", probs=c.data.dataset_probs, seed=t.seed))
     return prompts_from_records(
         records, actor_tokenizer(c), c.actor_rollout.max_prompt_length, c.data.use_chat_template
+    )
+
+
+def trainer_for_models(c: PPOConfig, prompts: list[Prompt], tok, policy, ref, critic, reward) -> PPOTrainer:
+    """A trainer in this process over four models already in memory (tests, benchmarks): the same roles,
+    optimizers and update settings that ``build_role`` makes from checkpoints, with an ORM reward."""
+    a, micro, place = c.actor_rollout, c.training.micro_batch_size, Place()
+    return PPOTrainer(
+        c,
+        prompts,
+        tok,
+        ActorRole(policy, tok, a.temperature, micro, _optim(c, policy, "actor_rollout", place), policy_update(c)),
+        ORMReward(reward.eval(), tok, tok, micro),
+        PolicyModel(ref.eval(), tok, a.temperature, micro),
+        CriticRole(critic, tok, micro, _optim(c, critic, "critic", place), value_update(c)),
     )
 
 
