@@ -66,12 +66,13 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.bench_sft_dpo import CALM, on_cpu
 from bench.common import (
+    CALM,
     add_profiler,
     add_step_clock,
     add_worker_flags,
     environment,
+    on_cpu,
     profile_summary,
     rss_mib,
     run_worker,

@@ -69,11 +69,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.common import (
+    CALM,
     add_profiler,
     add_step_clock,
     add_worker_flags,
     environment,
     median_of,
+    on_cpu,
     profile_summary,
     rss_mib,
     run_worker,
@@ -519,9 +521,6 @@ RATIO_KEYS = (
     "train_added_rss_mib",
     "calm_tokens_per_second",
 )
-CALM = 0.95  # a run "on CPU" (CPU time / wall time of its timed steps) at least this much was not preempted
-
-
 SAME_IN_EVERY_RUN = (
     "examples_per_step",
     "real_tokens_per_example",
@@ -541,10 +540,6 @@ SAME_IN_EVERY_RUN = (
     "attn_implementation",
     "train_loss",
 )
-
-
-def on_cpu(run: dict) -> float:
-    return run["timed_cpu_seconds"] / run["timed_seconds"]
 
 
 def _num(x: float, fmt: str, suffix: str = "") -> str:

@@ -147,6 +147,14 @@ def run_worker(
         return json.load(f)
 
 
+CALM = 0.95  # a run "on CPU" (CPU time / wall time of its timed steps) at least this much was not preempted
+
+
+def on_cpu(run: dict) -> float:
+    """The share of a run's timed wall time it spent on a CPU (< 1: preempted by other work)."""
+    return run["timed_cpu_seconds"] / run["timed_seconds"]
+
+
 def median_of(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 

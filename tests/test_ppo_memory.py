@@ -28,11 +28,9 @@ from llm.alignment.ppo.roles import (
     ValueUpdate,
 )
 from llm.utils.errors import UserError
-from tests.helpers import ROOT, tiny_model, tokenizer
-from tests.test_ppo_run import config
+from tests.helpers import tiny_model, tokenizer
+from tests.test_ppo_run import ORM_REWARD, config
 
-TINY_LLAMA = os.path.join(ROOT, "llm", "assets", "tiny-llama")
-TINY_TOKENIZER = os.path.join(ROOT, "llm", "assets", "tiny_tokenizer")
 ADAMW = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
 
 
@@ -205,12 +203,7 @@ def test_bf16_reference_log_probs_are_close_to_fp32(tmp_path):
 
 def test_bf16_reward_scores_are_close_to_fp32(tmp_path):
     samples = fixed_samples()
-    reward = {
-        "type": "orm",
-        "model_name_or_path": TINY_LLAMA,
-        "tokenizer_name_or_path": TINY_TOKENIZER,
-        "init_from_config": True,
-    }
+    reward = ORM_REWARD
     scores = {}
     for dtype in ("float32", "bfloat16"):
         c = parse_ppo_config([config(tmp_path, reward={**reward, "dtype": dtype})])
@@ -275,13 +268,7 @@ def test_offload_on_cpu_is_the_identity_and_says_so(tmp_path, caplog):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: on the CPU there is nothing to move")
 def test_offload_moves_parameters_on_cuda(tmp_path):
     samples = fixed_samples()
-    reward = {
-        "type": "orm",
-        "model_name_or_path": TINY_LLAMA,
-        "tokenizer_name_or_path": TINY_TOKENIZER,
-        "init_from_config": True,
-        "offload": True,
-    }
+    reward = {**ORM_REWARD, "offload": True}
     c = parse_ppo_config([config(tmp_path, ref={"offload": True}, reward=reward, training={"adam_offload": True})])
     ref, rm = build_ref(c, Place("cuda")), build_reward(c, Place("cuda"))
     for role in (ref, rm):

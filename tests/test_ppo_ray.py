@@ -21,17 +21,8 @@ from llm.alignment.ppo.roles import RoleFailure
 from llm.run_ppo import main
 from llm.utils.errors import UserError, run_cli
 from tests.helpers import ROOT, tokenizer
-from tests.test_ppo_run import config, history
+from tests.test_ppo_run import ORM_REWARD, config, history
 
-TINY_LLAMA = os.path.join(ROOT, "llm", "assets", "tiny-llama")
-TINY_TOKENIZER = os.path.join(ROOT, "llm", "assets", "tiny_tokenizer")
-# A model reward (random tiny ORM, seeded) so that all four roles hold models; the critic starts from it.
-ORM_REWARD = {
-    "type": "orm",
-    "model_name_or_path": TINY_LLAMA,
-    "tokenizer_name_or_path": TINY_TOKENIZER,
-    "init_from_config": True,
-}
 SAMPLES = 8  # the test config's rollout: 4 prompts x 2 samples
 
 

@@ -18,6 +18,15 @@ from llm.utils.errors import UserError, run_cli
 from tests.helpers import ROOT, tiny_model, tokenizer
 
 TINY = os.path.join(ROOT, "llm", "config", "tiny", "ppo_argument.json")
+TINY_LLAMA = os.path.join(ROOT, "llm", "assets", "tiny-llama")
+TINY_TOKENIZER = os.path.join(ROOT, "llm", "assets", "tiny_tokenizer")
+# A model reward (random tiny ORM, seeded) so that all four roles hold models; the critic starts from it.
+ORM_REWARD = {
+    "type": "orm",
+    "model_name_or_path": TINY_LLAMA,
+    "tokenizer_name_or_path": TINY_TOKENIZER,
+    "init_from_config": True,
+}
 
 
 def config(tmp_path, **sections):

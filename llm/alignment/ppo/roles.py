@@ -262,15 +262,21 @@ def gathered_for_decoding(model: PreTrainedModel, enabled: bool = True):
 class PolicyModel:
     """A causal LM as reference or rollout copy: sampling and per-token log-probs at ``temperature``."""
 
-    gather_for_generation = True  # FSDP2: full weights once per generate call (``gathered_for_decoding``)
-
     samples_seen = 0  # samples this process ran forwards over (a rank of a group: its slices only)
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, temperature: float, micro_batch_size: int
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        temperature: float,
+        micro_batch_size: int,
+        gather_for_generation: bool = True,
     ) -> None:
+        """``gather_for_generation``: in an FSDP2 group, full weights once per ``generate`` call
+        (``gathered_for_decoding``) instead of at every decoding step."""
         self.model, self.tokenizer = model, tokenizer
         self.temperature, self.micro_batch_size = temperature, micro_batch_size
+        self.gather_for_generation = gather_for_generation
 
     @torch.no_grad()
     def generate(
@@ -344,6 +350,7 @@ class PolicyModel:
     def log_probs(self, samples: Samples, with_logits: bool = False):
         """Per-token log-probs ``(B, T)`` of the responses (no gradient, CPU); with ``with_logits`` also
         the temperature-scaled logits ``(B, T, V)`` at those positions (for the exact "full" KL)."""
+        self.samples_seen += len(samples)
         with torch.no_grad():
             out = self._log_probs(samples, list(range(len(samples))), with_logits=with_logits)
         return tuple(x.cpu() for x in out) if with_logits else out.cpu()
@@ -365,7 +372,6 @@ class PolicyModel:
         examples = _token_readouts(samples, idx)
         head = self.model.get_output_embeddings()
         outs, ents, all_logits = [], [], []
-        self.samples_seen += len(idx)
         for micro, spare in _micro_batches(examples, self.micro_batch_size, self.model.device):
             batch = collate(micro, self.tokenizer.pad_token_id)
             batch = batch.to(self.model.device)
@@ -514,8 +520,9 @@ class ActorRole(PolicyModel):
         micro_batch_size: int,
         optim: TrainableRole,
         settings: PolicyUpdate,
+        gather_for_generation: bool = True,
     ) -> None:
-        super().__init__(model, tokenizer, temperature, micro_batch_size)
+        super().__init__(model, tokenizer, temperature, micro_batch_size, gather_for_generation)
         self.optim, self.settings = optim, settings
 
     def update(self, batch: PolicyBatch, orders: list[list[int]]) -> UpdateStats:
@@ -559,9 +566,9 @@ class ActorRole(PolicyModel):
                         kl_loss = (kl * m).sum() / tokens
                         loss = loss + u.kl_loss_coef * kl_loss
                     if spare:  # this rank's share ran out: a zero-weighted backward keeps the group in step
-                        self.samples_seen -= len(part)
                         (loss * 0).backward()
                         continue
+                    self.samples_seen += len(part)
                     loss.backward()
                     share = m.sum() / tokens
                     totals["policy_loss"] += out.loss.item()
@@ -599,6 +606,7 @@ class ValueModel:
 
     def values(self, samples: Samples) -> torch.Tensor:
         """Per-token values ``(B, T)`` of the states before each response token (no gradient, CPU)."""
+        self.samples_seen += len(samples)
         with torch.no_grad():
             return self._values(samples, list(range(len(samples)))).cpu()
 
@@ -607,7 +615,6 @@ class ValueModel:
         T = max(lengths)
         examples = _token_readouts(samples, idx)
         outs = []
-        self.samples_seen += len(idx)
         for micro, spare in _micro_batches(examples, self.micro_batch_size, self.model.device):
             batch = collate(micro, self.tokenizer.pad_token_id)
             batch = batch.to(self.model.device)
@@ -655,9 +662,9 @@ class CriticRole(ValueModel):
                         normaliser=tokens,
                     )
                     if spare:  # as in ActorRole.update
-                        self.samples_seen -= len(part)
                         (loss * 0).backward()
                         continue
+                    self.samples_seen += len(part)
                     (u.value_loss_coef * loss).backward()
                     total += loss.item()
                     frac += clipfrac.item() * (m.sum() / tokens).item()
