@@ -36,26 +36,12 @@ sys.path.insert(0, ROOT)
 
 import numpy as np
 import torch
-import transformers
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from llm.utils.modeling import tiny_config
+from tests.test_ppo_trl_parity import models, ours_config, trl_args  # the parity test's matched settings
 
-KL_COEF, VF_COEF = 0.05, 0.1
 # <pad>, <s>, </s>: a random policy emits them under greedy; TRL would read a generated <pad> as the
 # end of the response (and move the score there), so both sides suppress them in generation
 SPECIAL = [0, 1, 2]
-
-
-def models(attn: str):
-    config = tiny_config("llama", 648, pad_token_id=0, num_labels=1)
-    transformers.set_seed(11)
-    policy = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn)
-    transformers.set_seed(12)
-    critic = AutoModelForSequenceClassification.from_config(copy.deepcopy(config), attn_implementation=attn)
-    transformers.set_seed(13)
-    reward = AutoModelForSequenceClassification.from_config(copy.deepcopy(config), attn_implementation=attn)
-    return policy, copy.deepcopy(policy), critic, reward
 
 
 def prompts_tensor(a):
@@ -68,7 +54,6 @@ def snapshot(model) -> dict[str, torch.Tensor]:
 
 def run_trl(a) -> dict:
     from datasets import Dataset
-    from trl.experimental.ppo import PPOConfig as TRLConfig
     from trl.experimental.ppo import PPOTrainer as TRLTrainer
     from trl.experimental.ppo import ppo_trainer as trl_module
 
@@ -113,36 +98,7 @@ def run_trl(a) -> dict:
     np.random.permutation = lambda n: np.arange(n)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            args = TRLConfig(
-                output_dir=tmp,
-                report_to="none",
-                use_cpu=True,
-                seed=0,
-                per_device_train_batch_size=a.batch,
-                gradient_accumulation_steps=1,
-                num_mini_batches=2,
-                num_ppo_epochs=2,
-                total_episodes=a.batch * a.steps,
-                response_length=a.response_len,
-                temperature=1.0,
-                kl_coef=KL_COEF,
-                kl_estimator="k1",
-                cliprange=0.2,
-                cliprange_value=0.2,
-                vf_coef=VF_COEF,
-                gamma=1.0,
-                lam=0.95,
-                whiten_rewards=False,
-                learning_rate=a.lr,
-                lr_scheduler_type="constant",
-                num_sample_generations=0,
-                stop_token=None,
-                missing_eos_penalty=None,
-                local_rollout_forward_batch_size=a.batch,
-                save_strategy="no",
-                disable_tqdm=True,
-                logging_steps=10_000,
-            )
+            args = trl_args(tmp, a.batch, a.steps, a.response_len, a.lr)
             trainer = TRLTrainer(
                 args=args,
                 processing_class=tok,
@@ -172,18 +128,6 @@ def run_trl(a) -> dict:
 
 def run_ours(a, orders) -> dict:
     from llm.alignment.ppo.build import trainer_for_models
-    from llm.alignment.ppo.config import (
-        ActorRolloutSection,
-        AlgorithmSection,
-        CriticSection,
-        DataSection,
-        KLCtrlSection,
-        PPOConfig,
-        RefSection,
-        ResourcePool,
-        RewardSection,
-        TrainingSection,
-    )
     from llm.alignment.ppo.trainer import Prompt
     from llm.utils.attention import PACKED_SDPA
     from tests.helpers import tokenizer
@@ -193,37 +137,8 @@ def run_ours(a, orders) -> dict:
     policy, ref, critic, reward = models(PACKED_SDPA)
     if a.suppress:
         policy.generation_config.suppress_tokens = SPECIAL  # generate() builds on the model's config
-    B, mb = a.batch, a.batch // 2
-    config = PPOConfig(
-        training=TrainingSection(
-            seed=0, learning_rate=a.lr, max_grad_norm=0.0, max_steps=a.steps, micro_batch_size=B, report_to="none"
-        ),
-        actor_rollout=ActorRolloutSection(
-            do_sample=False,
-            temperature=1.0,
-            max_response_length=a.response_len,
-            ignore_eos=True,
-            ppo_mini_batch_size=mb,
-            ppo_epochs=2,
-            clip_ratio=0.2,
-            shuffle_minibatch=False,
-        ),
-        critic=CriticSection(
-            cliprange_value=0.2, critic_mini_batch_size=mb, critic_update_epochs=2, value_loss_coef=VF_COEF
-        ),
-        ref=RefSection(),
-        reward=RewardSection(type="orm"),
-        algorithm=AlgorithmSection(
-            adv_estimator="gae",
-            gamma=1.0,
-            lam=0.95,
-            kl_penalty="kl",
-            kl_ctrl=KLCtrlSection(type="fixed", kl_coef=KL_COEF),
-            whiten_advantages=True,
-        ),
-        data=DataSection(rollout_batch_size=B),
-        resource_pool=ResourcePool(),
-    )
+    B = a.batch
+    config = ours_config(B, a.steps, a.lr, do_sample=False, max_response_length=a.response_len, ignore_eos=True)
     prompt_list = [Prompt(p.tolist(), f"prompt {i}", None) for i, p in enumerate(prompts)]
     trainer = trainer_for_models(config, prompt_list, tok, policy, ref, critic, reward)
     trainer.prompt_indices = lambda step: orders[step]

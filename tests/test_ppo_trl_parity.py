@@ -61,6 +61,75 @@ def models(attn):
     return policy, ref, critic, reward
 
 
+def trl_args(output_dir: str, batch: int, steps: int, response_len: int, lr: float):
+    """TRL's side of the matched math (k1 KL in the reward, GAE, whitening, the clip ranges, no gradient
+    clipping needed: TRL never clips here; 2 mini-batches x 2 epochs). Also used by bench_ppo_drift.py."""
+    from trl.experimental.ppo import PPOConfig as TRLConfig
+
+    return TRLConfig(
+        output_dir=output_dir,
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        num_mini_batches=2,
+        num_ppo_epochs=2,
+        total_episodes=batch * steps,
+        response_length=response_len,
+        temperature=1.0,
+        kl_coef=KL_COEF,
+        kl_estimator="k1",
+        cliprange=0.2,
+        cliprange_value=0.2,
+        vf_coef=VF_COEF,
+        gamma=1.0,
+        lam=0.95,
+        whiten_rewards=False,
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        num_sample_generations=0,
+        stop_token=None,
+        missing_eos_penalty=None,
+        local_rollout_forward_batch_size=batch,
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=10_000,
+    )
+
+
+def ours_config(batch: int, steps: int, lr: float, **actor_rollout) -> PPOConfig:
+    """Our side of the same math (``trl_args``); ``actor_rollout`` adds rollout settings."""
+    return PPOConfig(
+        training=TrainingSection(
+            seed=0, learning_rate=lr, max_grad_norm=0.0, max_steps=steps, micro_batch_size=batch, report_to="none"
+        ),
+        actor_rollout=ActorRolloutSection(
+            temperature=1.0,
+            ppo_mini_batch_size=batch // 2,
+            ppo_epochs=2,
+            clip_ratio=0.2,
+            shuffle_minibatch=False,
+            **actor_rollout,
+        ),
+        critic=CriticSection(
+            cliprange_value=0.2, critic_mini_batch_size=batch // 2, critic_update_epochs=2, value_loss_coef=VF_COEF
+        ),
+        ref=RefSection(),
+        reward=RewardSection(type="orm"),
+        algorithm=AlgorithmSection(
+            adv_estimator="gae",
+            gamma=1.0,
+            lam=0.95,
+            kl_penalty="kl",
+            kl_ctrl=KLCtrlSection(type="fixed", kl_coef=KL_COEF),
+            whiten_advantages=True,
+        ),
+        data=DataSection(rollout_batch_size=batch),
+        resource_pool=ResourcePool(),
+    )
+
+
 def fixed_data():
     gen = torch.Generator().manual_seed(5)
     # token ids 7.. avoid <pad>=0, <s>=1, </s>=2 and the special chat tokens
@@ -71,7 +140,6 @@ def fixed_data():
 
 def run_trl(tmp_path, monkeypatch):
     from datasets import Dataset
-    from trl.experimental.ppo import PPOConfig as TRLConfig
     from trl.experimental.ppo import PPOTrainer as TRLTrainer
     from trl.experimental.ppo import ppo_trainer as trl_module
 
@@ -101,36 +169,7 @@ def run_trl(tmp_path, monkeypatch):
     monkeypatch.setattr(trl_module, "masked_whiten", spy_whiten)
     monkeypatch.setattr(np.random, "permutation", lambda n: np.arange(n))
 
-    args = TRLConfig(
-        output_dir=str(tmp_path / "trl"),
-        report_to="none",
-        use_cpu=True,
-        seed=0,
-        per_device_train_batch_size=B,
-        gradient_accumulation_steps=1,
-        num_mini_batches=2,
-        num_ppo_epochs=2,
-        total_episodes=B * STEPS,
-        response_length=R_LEN,
-        temperature=1.0,
-        kl_coef=KL_COEF,
-        kl_estimator="k1",
-        cliprange=0.2,
-        cliprange_value=0.2,
-        vf_coef=VF_COEF,
-        gamma=1.0,
-        lam=0.95,
-        whiten_rewards=False,
-        learning_rate=LR,
-        lr_scheduler_type="constant",
-        num_sample_generations=0,
-        stop_token=None,
-        missing_eos_penalty=None,
-        local_rollout_forward_batch_size=B,
-        save_strategy="no",
-        disable_tqdm=True,
-        logging_steps=1000,
-    )
+    args = trl_args(str(tmp_path / "trl"), B, STEPS, R_LEN, LR)
     dataset = Dataset.from_dict({"input_ids": prompts.tolist()})
     trainer = TRLTrainer(
         args=args,
@@ -157,29 +196,7 @@ def run_ours(orders):
     tok = tokenizer()
     prompts, responses = fixed_data()
     policy, ref, critic, reward = models(PACKED_SDPA)
-    config = PPOConfig(
-        training=TrainingSection(
-            seed=0, learning_rate=LR, max_grad_norm=0.0, max_steps=STEPS, micro_batch_size=B, report_to="none"
-        ),
-        actor_rollout=ActorRolloutSection(
-            temperature=1.0, ppo_mini_batch_size=4, ppo_epochs=2, clip_ratio=0.2, shuffle_minibatch=False
-        ),
-        critic=CriticSection(
-            cliprange_value=0.2, critic_mini_batch_size=4, critic_update_epochs=2, value_loss_coef=VF_COEF
-        ),
-        ref=RefSection(),
-        reward=RewardSection(type="orm"),
-        algorithm=AlgorithmSection(
-            adv_estimator="gae",
-            gamma=1.0,
-            lam=0.95,
-            kl_penalty="kl",
-            kl_ctrl=KLCtrlSection(type="fixed", kl_coef=KL_COEF),
-            whiten_advantages=True,
-        ),
-        data=DataSection(rollout_batch_size=B),
-        resource_pool=ResourcePool(),
-    )
+    config = ours_config(B, STEPS, LR)
     prompt_list = [Prompt(p.tolist(), f"prompt {i}", None) for i, p in enumerate(prompts)]
     trainer = trainer_for_models(config, prompt_list, tok, policy, ref, critic, reward)
     trainer.prompt_indices = lambda step: orders[step]
