@@ -261,3 +261,33 @@ def test_ray_example_config_and_cli_overrides(tmp_path):
     c = parse_ppo_config([path, "--resource_pool.colocate", json.dumps([["critic", "reward"]])])
     assert c.resource_pool.use_ray and c.resource_pool.colocate == [["critic", "reward"]]
     assert parse_ppo_config([path]).resource_pool.colocate == [["actor_rollout", "ref"], ["critic", "reward"]]
+
+
+def test_a_rank_failing_because_its_peer_died_reports_the_death(monkeypatch):
+    """The race CI met: rank 0's collective breaks ("Connection reset by peer") and its error reaches the
+    driver before Ray reports that rank 1 died. The message names the death, not the broken collective;
+    a rank's own error with no death in its group stays that error."""
+    import ray
+
+    from llm.alignment.ppo import ray_roles
+
+    monkeypatch.setattr(ray_roles, "PEER_DEATH_GRACE", 1.0)
+    broken = ray.exceptions.RayTaskError("call", "gloo", RuntimeError("Connection reset by peer"))
+    outcomes = {"rank0": broken, "rank1": ray.exceptions.RayActorError()}
+
+    class FakeRay:
+        exceptions = ray.exceptions
+
+        @staticmethod
+        def wait(refs, num_returns, timeout):
+            return refs[:num_returns], refs[num_returns:]  # in order: rank 0 first
+
+        @staticmethod
+        def get(ref):
+            raise outcomes[ref]
+
+    with pytest.raises(RoleFailure, match=r"PPO role 'actor_rollout' \(2 ranks\) died during log_probs\(\)"):
+        ray_roles.wait(FakeRay, ["rank0", "rank1"], "actor_rollout", "2 ranks", "log_probs()", 60, "call_timeout")
+    outcomes["rank1"] = broken
+    with pytest.raises(ray.exceptions.RayTaskError):
+        ray_roles.wait(FakeRay, ["rank0", "rank1"], "actor_rollout", "2 ranks", "log_probs()", 60, "call_timeout")

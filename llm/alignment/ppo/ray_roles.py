@@ -140,12 +140,40 @@ def wait(ray, refs: list, role: str, where: str, what: str, timeout: float, sett
             ray.get(done[0])  # raises that worker's error now
         return ray.get(list(refs))
     except ray.exceptions.RayActorError as err:
-        reason = str(err).strip().splitlines()[0]
-        raise RoleFailure(f"PPO role {role!r} ({where}) died during {what}: {reason}") from None
+        raise _died(role, where, what, err) from None
     except ray.exceptions.RayTaskError as err:
         if isinstance(err.cause, UserError):  # a bad config or bad data, reported by the role
             raise type(err.cause)(str(err.cause)) from None
+        # A rank whose collective broke because a peer died can fail before Ray reports the death:
+        # the death is the cause to report.
+        death = _death_among(ray, pending, PEER_DEATH_GRACE)
+        if death is not None:
+            raise _died(role, where, what, death) from None
         raise
+
+
+PEER_DEATH_GRACE = 10.0  # seconds a failed rank's group is watched for the death that may have caused it
+
+
+def _died(role: str, where: str, what: str, err) -> RoleFailure:
+    reason = str(err).strip().splitlines()[0]
+    return RoleFailure(f"PPO role {role!r} ({where}) died during {what}: {reason}")
+
+
+def _death_among(ray, refs: list, grace: float):
+    """The ``RayActorError`` of the first of ``refs`` whose worker dies within ``grace`` seconds, else None."""
+    deadline = time.monotonic() + grace
+    pending = list(refs)
+    while pending and time.monotonic() < deadline:
+        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as err:
+                return err
+            except ray.exceptions.RayTaskError as other:  # that rank's own failure: keep looking
+                logger.debug("another rank failed too: %s", str(other).strip().splitlines()[0])
+    return None
 
 
 # The forward calls: their first argument is the batch (``Samples``; ``generate``: the prompts' ids), and a
