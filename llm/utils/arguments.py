@@ -51,6 +51,13 @@ class ModelArgument:
     reward_tokens: str = field(
         default="+,-", metadata={"help": "PRM label tokens 'positive,negative'; each must be one token."}
     )
+    add_placeholder_token: bool = field(
+        default=False,
+        metadata={
+            "help": "PRM: when placeholder_token is not one token of the tokenizer, add it as a new special token "
+            "and resize the model's embeddings (a new, untrained row); false: such a placeholder stops the run."
+        },
+    )
 
 
 @dataclass
@@ -60,6 +67,13 @@ class DataArgument:
         metadata={"help": "Training data: .json/.jsonl/.parquet file or HF dataset dir; comma-separate to mix."},
     )
     dev_dataset_path: str | None = field(default=None, metadata={"help": "Evaluation data (same formats)."})
+    map_keys: dict | None = field(
+        default=None,
+        metadata={
+            "help": "Rename fields of every record as it is read (MindSpeed's --map-keys): "
+            '{"field this project reads": "column in your data"}, e.g. {"src": "question", "tgt": "answer"}.'
+        },
+    )
     dataset_probs: str | None = field(
         default=None, metadata={"help": "Sampling probabilities for mixed training files, e.g. '0.7,0.3'."}
     )
