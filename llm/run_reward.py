@@ -14,10 +14,12 @@ from llm.utils.arguments import parse_arguments, validate_arguments
 from llm.utils.entry import train_and_evaluate
 from llm.utils.errors import run_cli
 from llm.utils.logging import setup_logging
+from llm.utils.paddle_names import PADDLE_REWARD_NAMES
 
 
 def main(argv: list[str] | None = None) -> None:
-    model_args, data_args, training_args = parse_arguments(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    model_args, data_args, training_args = parse_arguments(argv, paddle=PADDLE_REWARD_NAMES)
     validate_arguments(model_args, data_args, training_args)
     setup_logging(training_args)
     trainer, _, dev = build_reward_trainer(model_args, data_args, training_args)

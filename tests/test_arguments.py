@@ -203,3 +203,188 @@ def test_reference_fields_are_declared():
         "reward_tokens",
     ]
     assert not [f for f in reference if f not in declared]
+
+
+# --- strict types: one message naming the file and field, never a setting turned the wrong way ----------
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"do_train": "false"}, r"field 'do_train' must be true or false, got the string 'false' \(write false"),
+        ({"do_train": "no"}, r"field 'do_train' must be true or false, got the string 'no'"),
+        ({"max_steps": "2"}, r"field 'max_steps' must be a whole number, got the string '2' \(write 2 without"),
+        ({"max_steps": 2.5}, r"field 'max_steps' must be a whole number, got 2.5"),
+        ({"learning_rate": "abc"}, r"field 'learning_rate' must be a number, got the string 'abc'"),
+        ({"learning_rate": "1e-5"}, r"got the string '1e-5' \(write 1e-05 without quotes\)"),
+        ({"learning_rate": -1e-5}, r"field 'learning_rate' must be a number >= 0, got -1e-05"),
+        ({"per_device_train_batch_size": -2}, r"field 'per_device_train_batch_size' must be a positive number"),
+        ({"per_device_train_batch_size": 0}, r"field 'per_device_train_batch_size' must be a positive number"),
+        ({"gradient_accumulation_steps": 0}, r"field 'gradient_accumulation_steps' must be a positive number"),
+        ({"max_seq_len": True}, r"field 'max_seq_len' must be a whole number, got true"),
+        ({"max_seq_len": None}, r"field 'max_seq_len' must be a whole number, got null"),
+        ({"zero_padding": 1}, r"field 'zero_padding' must be true or false, got 1"),
+        ({"placeholder_token": 5}, r"field 'placeholder_token' must be a string, got 5"),
+        ({"map_keys": ["src"]}, r"field 'map_keys' must be an object"),
+        ({"eval_strategy": "sometimes"}, r"field 'eval_strategy' must be one of 'no', 'steps', 'epoch'"),
+        ({"tensor_parallel_degree": 0}, r"field 'tensor_parallel_degree' must be a positive number"),
+        ({"warmup_ratio": -0.1}, r"field 'warmup_ratio' must be a number >= 0"),
+    ],
+)
+def test_type_errors_name_the_file_and_field(tmp_path, fields, message):
+    with pytest.raises(UserError, match=message) as err:
+        parse(tmp_path, **fields)
+    assert "args.json" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "cli, message",
+    [
+        (["--do_train", "yes"], r"--do_train must be true or false, got 'yes'"),
+        (["--max_steps", "two"], r"--max_steps must be a whole number, got 'two'"),
+        (["--max_steps", "2.5"], r"--max_steps must be a whole number"),
+        (["--learning_rate", "fast"], r"--learning_rate must be a number, got 'fast'"),
+        (["--max_seq_len"], r"--max_seq_len needs a value"),
+        (["max_seq_len", "5"], r"expected --field value, got 'max_seq_len'"),
+    ],
+)
+def test_command_line_values_are_parsed_strictly(tmp_path, cli, message):
+    with pytest.raises(UserError, match=message):
+        parse(tmp_path, cli=cli)
+
+
+def test_command_line_booleans_numbers_and_bare_flags(tmp_path):
+    _, data_args, t = parse(
+        tmp_path,
+        cli=["--do_train", "--do_eval", "False", "--max_steps", "3", "--lazy=true", "--map_keys", '{"src": "q"}'],
+        do_train=False,
+        do_eval=True,
+        max_steps=100,
+    )
+    assert (t.do_train, t.do_eval, t.max_steps) == (True, False, 3)
+    assert data_args.lazy is True and data_args.map_keys == {"src": "q"}
+
+
+def test_max_prompt_len_default_follows_max_seq_len(tmp_path):
+    # An eval-only run that sets only max_seq_len must not trip over a default it never set.
+    _, data_args, _ = parse(tmp_path, max_seq_len=1024, do_train=False, do_eval=True)
+    assert data_args.max_prompt_len == 512
+    _, data_args, _ = parse(tmp_path)
+    assert (data_args.max_seq_len, data_args.max_prompt_len) == (4096, 2048)  # PaddleNLP's defaults
+    _, data_args, _ = parse(tmp_path, max_seq_len=1024, max_prompt_len=100)
+    assert data_args.max_prompt_len == 100
+
+
+# --- PaddleNLP's names -------------------------------------------------------------------------------------
+
+
+def test_paddle_sft_names(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.json").write_text('{"src": "q", "tgt": "a"}\n')
+    (data / "dev.json").write_text('{"src": "q", "tgt": "a"}\n')
+    _, d, t = parse(
+        tmp_path,
+        dataset_name_or_path=str(data),
+        src_length=100,
+        max_length=300,
+        eval_with_do_generation=False,
+        pipeline_parallel_degree=1,
+        pipeline_parallel_config="disable_p2p_cache_shape",
+        tensor_parallel_output=True,
+    )
+    assert d.train_dataset_path == str(data / "train.json") and d.dev_dataset_path == str(data / "dev.json")
+    assert (d.max_prompt_len, d.max_seq_len) == (100, 300)
+    notes = " | ".join(t.config_notes)
+    assert "pipeline_parallel_config" in notes and "tensor_parallel_output" in notes
+
+
+def test_paddle_dataset_dir_with_only_train_json(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.json").write_text('{"src": "q", "tgt": "a"}\n')
+    _, d, _ = parse(tmp_path, dataset_name_or_path=str(data))
+    assert d.train_dataset_path == str(data / "train.json") and d.dev_dataset_path is None
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (
+            {"dataset_name_or_path": "no/such/dir"},
+            r"dataset_name_or_path: 'no/such/dir' is not a directory \(looked in",
+        ),
+        ({"eval_with_do_generation": True}, "evaluation by generation .* set it false"),
+        ({"pipeline_parallel_degree": 2}, "pipeline parallelism is not available"),
+        ({"max_length": 512, "max_seq_len": 512}, "max_length .* and max_seq_len both set max_seq_len"),
+        ({"src_length": "64"}, r"src_length must be a whole number, got the string '64'"),
+        ({"train_datasets": "PKU-SafeRLHF-30K/train"}, "registered hub data sets are not downloaded here"),
+        ({"train_datasets": "pairs:0.5:llm/data/sample/pairs_train.jsonl"}, "proportion 0.5"),
+    ],
+)
+def test_paddle_names_that_cannot_take_effect(tmp_path, fields, message):
+    with pytest.raises(UserError, match=message):
+        parse(tmp_path, **fields)
+
+
+def test_reward_only_paddle_names(tmp_path):
+    from llm.utils.paddle_names import PADDLE_REWARD_NAMES
+
+    path = write(
+        tmp_path,
+        train_datasets="pairs:1:llm/data/sample/pairs_train.jsonl",
+        eval_datasets="llm/data/sample/pairs_dev.jsonl",
+        loss_type="sequence-wise",
+        regularization=0.001,
+        normalize_score_during_training=False,
+        normalizer_type="ExponentialMovingAverage",
+        normalizer_momentum=0.9,
+    )
+    _, d, t = parse_arguments([path], paddle=PADDLE_REWARD_NAMES)
+    assert d.train_dataset_path.endswith("llm/data/sample/pairs_train.jsonl")
+    assert d.dev_dataset_path.endswith("llm/data/sample/pairs_dev.jsonl")
+    assert t.score_regularization == 0.001
+    for bad, message in (
+        ({"loss_type": "token-wise"}, "only 'sequence-wise'"),
+        ({"normalize_score_during_training": True}, "score normalisation .* not available"),
+    ):
+        with pytest.raises(UserError, match=message):
+            parse_arguments([write(tmp_path, **bad)], paddle=PADDLE_REWARD_NAMES)
+    # The SFT / DPO parsers do not know the reward scripts' names.
+    with pytest.raises(UserError, match="unknown key 'regularization'"):
+        parse(tmp_path, regularization=0.001)
+
+
+# --- both launch habits: from the repository root and from llm/ -------------------------------------------
+
+
+def test_relative_paths_resolve_from_llm_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(os.path.join(ROOT, "llm"))
+    model_args, data_args, _ = parse_arguments(["config/tiny/prm_argument.json", "--output_dir", str(tmp_path / "out")])
+    assert model_args.model_name_or_path == os.path.join(ROOT, "llm/assets/tiny-prm")
+    assert os.path.isfile(data_args.train_dataset_path)
+    # the repository-root form of the config path works from llm/ too
+    parse_arguments(["llm/config/tiny/prm_argument.json"])
+
+
+def test_missing_config_names_the_places_tried(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=r"nope.json: no such file \(looked in: .*nope.json, .*nope.json\)"):
+        parse_arguments(["nope.json"])
+
+
+def test_metric_for_best_model_is_checked_against_the_trainer(tmp_path):
+    from llm.alignment.rm.trainer import RewardTrainer
+
+    class Args:
+        metric_for_best_model = "eval_acuracy"
+
+    trainer = RewardTrainer.__new__(RewardTrainer)
+    trainer.args, trainer.process_reward = Args(), False
+    with pytest.raises(UserError, match=r"'eval_acuracy' is not a metric of RewardTrainer; it reports loss, accuracy"):
+        trainer.check_metric_for_best_model()
+    Args.metric_for_best_model = "accuracy"
+    trainer.check_metric_for_best_model()
+    trainer.process_reward = True
+    with pytest.raises(UserError, match="step_accuracy"):
+        trainer.check_metric_for_best_model()

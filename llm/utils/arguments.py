@@ -8,17 +8,19 @@ to change, instead of being silently ignored.
 
 from __future__ import annotations
 
-import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import transformers
-from transformers import HfArgumentParser
 
 from llm.utils.distributed import Layout, has_accelerator, parse_layout
 from llm.utils.errors import UserError, closest
+from llm.utils.fields import build, init_fields, parse_text, type_hints
+from llm.utils.paddle_names import PADDLE_NAMES, translate
+from llm.utils.paths import resolve_input_path, resolve_paths, tried
 
 
 @dataclass
@@ -46,7 +48,9 @@ class ModelArgument:
     recompute_granularity: str = field(
         default="full", metadata={"help": "Activation checkpointing granularity: full | full_attn | core_attn."}
     )
-    virtual_pp_degree: int = field(default=1, metadata={"help": "Virtual pipeline stages (pipeline parallel)."})
+    virtual_pp_degree: int = field(
+        default=1, metadata={"help": "Virtual pipeline stages (pipeline parallel).", "min": 1}
+    )
     placeholder_token: str = field(default="ки", metadata={"help": "PRM step placeholder token (one token)."})
     reward_tokens: str = field(
         default="+,-", metadata={"help": "PRM label tokens 'positive,negative'; each must be one token."}
@@ -77,8 +81,14 @@ class DataArgument:
     dataset_probs: str | None = field(
         default=None, metadata={"help": "Sampling probabilities for mixed training files, e.g. '0.7,0.3'."}
     )
-    max_seq_len: int = field(default=4096, metadata={"help": "Maximum tokens per (packed) row."})
-    max_prompt_len: int = field(default=2048, metadata={"help": "Maximum prompt tokens (prompt kept from the right)."})
+    max_seq_len: int = field(default=4096, metadata={"help": "Maximum tokens per (packed) row.", "min": 2})
+    max_prompt_len: int | None = field(
+        default=None,
+        metadata={
+            "help": "Maximum prompt tokens (prompt kept from the right); default min(2048, max_seq_len // 2).",
+            "min": 1,
+        },
+    )
     zero_padding: bool = field(default=False, metadata={"help": "Pack several examples into one row."})
     greedy_zero_padding: bool = field(
         default=False, metadata={"help": "Bin-pack examples (first-fit decreasing) to cut the pad ratio."}
@@ -99,6 +109,8 @@ class DataArgument:
     def __post_init__(self) -> None:
         if self.overlong_policy not in ("truncate", "skip"):
             raise UserError(f"overlong_policy must be 'truncate' or 'skip', got {self.overlong_policy!r}")
+        if self.max_prompt_len is None:  # follows max_seq_len when the user did not set it
+            self.max_prompt_len = min(2048, self.max_seq_len // 2)
         if self.max_prompt_len >= self.max_seq_len:
             raise UserError(
                 f"max_prompt_len ({self.max_prompt_len}) must be smaller than max_seq_len ({self.max_seq_len}): "
@@ -121,12 +133,14 @@ class TrainingArguments(transformers.TrainingArguments):
     evaluation_strategy: str | None = field(
         default=None, metadata={"help": "PaddleNLP/old HF name of eval_strategy (no | steps | epoch)."}
     )
-    warmup_ratio: float = field(default=0.0, metadata={"help": "Warmup as a ratio of total steps; warmup_steps wins."})
+    warmup_ratio: float = field(
+        default=0.0, metadata={"help": "Warmup as a ratio of total steps; warmup_steps wins.", "min": 0}
+    )
     fp16_opt_level: str = field(
         default="O1", metadata={"help": "O1: autocast mixed precision; O2: half-precision weights."}
     )
     tensor_parallel_degree: int = field(
-        default=1, metadata={"help": "Processes per tensor-parallel group (DTensor, the model's tp_plan)."}
+        default=1, metadata={"help": "Processes per tensor-parallel group (DTensor, the model's tp_plan).", "min": 1}
     )
     sharding_parallel_degree: int = field(
         default=-1,
@@ -138,13 +152,27 @@ class TrainingArguments(transformers.TrainingArguments):
     )
     recompute: bool = field(default=False, metadata={"help": "Activation checkpointing."})
     unified_checkpoint: bool = field(
-        default=True, metadata={"help": "Save one Hugging Face safetensors checkpoint (always the case here)."}
+        default=True,
+        metadata={
+            "help": "Checkpoints also hold the model as one Hugging Face safetensors file (the sharded state is "
+            "always written; the final output_dir always holds the model)."
+        },
     )
     process_reward: bool = field(default=False, metadata={"help": "true: process reward model (PRM); false: ORM."})
     margin: float = field(default=0.0, metadata={"help": "ORM: loss -log sigmoid(s_c - s_r - margin)."})
     center_rewards_coefficient: float = field(
-        default=0.0, metadata={"help": "ORM: coefficient of mean((s_c + s_r)^2) (reward centering)."}
+        default=0.0, metadata={"help": "ORM: coefficient of mean((s_c + s_r)^2) (reward centering).", "min": 0}
     )
+    score_regularization: float = field(
+        default=0.0,
+        metadata={
+            "help": "ORM: coefficient of mean(s_c^2 + s_r^2), an L2 penalty on the scores (PaddleNLP's "
+            "regularization).",
+            "min": 0,
+        },
+    )
+    # Lines about the config for the log (PaddleNLP names with no effect here, ...), filled by parse_arguments.
+    config_notes: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.evaluation_strategy is not None:
@@ -232,52 +260,118 @@ def recompute_mode(model_args: ModelArgument, training_args: TrainingArguments) 
 ARGUMENT_TYPES = (ModelArgument, DataArgument, TrainingArguments)
 
 
-def _cli_names(cli: list[str], parser: HfArgumentParser) -> list[str]:
-    """Destination names of the options given on the command line, in order."""
-    by_flag = {}
-    for action in parser._actions:
-        for flag in action.option_strings:
-            by_flag[flag] = action.dest
-    names = []
-    for token in cli:
-        if token.startswith("--"):
-            flag = token.split("=", 1)[0]
-            if flag not in by_flag:
-                valid = [f.lstrip("-") for f in by_flag]
-                raise UserError(f"command line: unknown option {flag}; closest valid names: {closest(flag[2:], valid)}")
-            names.append(by_flag[flag])
-    return names
+# Input paths: looked up from the working directory, then the repository root (both launch habits).
+INPUT_PATHS = (
+    "model_name_or_path",
+    "tokenizer_name_or_path",
+    "ref_model_name_or_path",
+    "train_dataset_path",
+    "dev_dataset_path",
+)
+
+# Lower bounds of transformers' own fields (ours declare theirs as metadata {"min": ...}).
+TRAINING_BOUNDS = {
+    "per_device_train_batch_size": 1,
+    "per_device_eval_batch_size": 1,
+    "gradient_accumulation_steps": 1,
+    "learning_rate": 0,
+    "weight_decay": 0,
+    "warmup_steps": 0,
+    "num_train_epochs": 0,
+    "max_steps": -1,
+    "logging_steps": 0,
+    "save_steps": 0,
+    "eval_steps": 0,
+    "max_grad_norm": 0,
+    "adam_epsilon": 0,
+    "dataloader_num_workers": 0,
+    "save_total_limit": 0,
+    "seed": 0,
+}
 
 
-def parse_arguments(argv: list[str], types: tuple[type, ...] = ARGUMENT_TYPES) -> tuple[Any, ...]:
-    """``CONFIG.json [--field value ...]`` -> one instance per dataclass in ``types``."""
+def read_config(path: str) -> dict:
+    """The JSON object of a config file (found from the working directory or the repository root)."""
+    found = resolve_input_path(path)
+    if found is None:
+        raise UserError(f"{path}: no such file (looked in: {tried(path)})")
+    try:
+        with open(found, encoding="utf-8") as f:
+            config = json.load(f)
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"{path}: cannot read it ({err})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path}: must hold one JSON object of field: value pairs")
+    return config
+
+
+def _paddle_text(text: str) -> Any:
+    """A command-line value of a PaddleNLP name: JSON when it reads as JSON (``512``, ``false``), else the text."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_command_line(cli: list[str], annotations: dict[str, Any], paddle: Mapping[str, Any]) -> dict[str, Any]:
+    """``--field value`` / ``--field=value`` pairs, each parsed by its field's type; a bare boolean flag
+    (``--do_train``) means true. PaddleNLP's names (``--max_length``) are accepted as in files."""
+    values: dict[str, Any] = {}
+    i = 0
+    while i < len(cli):
+        token = cli[i]
+        if not token.startswith("--") or len(token) == 2:
+            raise UserError(f"command line: expected --field value, got {token!r}")
+        name, eq, text = token[2:].partition("=")
+        if name not in annotations and name not in paddle:
+            raise UserError(f"command line: unknown option --{name}; closest valid names: {closest(name, annotations)}")
+        annotation = annotations.get(name, Any)
+        if not eq:
+            following = cli[i + 1] if i + 1 < len(cli) else None
+            if following is None or (following.startswith("--") and len(following) > 2):
+                if annotation is not bool:
+                    raise UserError(f"command line: --{name} needs a value")
+                text = "true"
+            else:
+                text, i = following, i + 1
+        where = f"command line: --{name}"
+        values[name] = _paddle_text(text) if annotation is Any else parse_text(text, annotation, where)
+        i += 1
+    return values
+
+
+def parse_arguments(
+    argv: list[str], types: tuple[type, ...] = ARGUMENT_TYPES, paddle: Mapping[str, Any] = PADDLE_NAMES
+) -> tuple[Any, ...]:
+    """``CONFIG.json [--field value ...]`` -> one instance per dataclass in ``types``.
+
+    Every key goes to the dataclass that declares it and is type-checked (``llm.utils.fields``);
+    PaddleNLP's own names in ``paddle`` are translated first (``llm.utils.paddle_names``); relative input paths are
+    resolved (``llm.utils.paths``). Lines worth logging land in ``TrainingArguments.config_notes``.
+    """
     if not argv or not argv[0].endswith(".json"):
         raise UserError("usage: run_x.py CONFIG.json [--field value ...]")
     path = argv[0]
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such file") from None
-    except json.JSONDecodeError as err:
-        raise UserError(f"{path}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})") from None
-    if not isinstance(config, dict):
-        raise UserError(f"{path}: must hold one JSON object of field: value pairs")
-    parser = HfArgumentParser(types)
-    valid = {f.name for t in types for f in dataclasses.fields(t) if f.init}
+    config = read_config(path)
+    owner = {name: cls for cls in types for name in init_fields(cls)}
+    annotations = {name: type_hints(cls)[name] for name, cls in owner.items()}
+    notes: list[str] = []
+    config = translate(config, set(owner), path, notes, paddle)
     for key in config:
-        if key not in valid:
-            raise UserError(f"{path}: unknown key {key!r}; closest valid names: {closest(key, valid)}")
-    cli = argv[1:]
-    given = _cli_names(cli, parser)
-    namespace, rest = parser.parse_known_args(cli)
-    if rest:
-        raise UserError(f"command line: cannot parse {' '.join(rest)}; use --field value pairs")
-    merged = dict(config)
-    merged.update({name: getattr(namespace, name) for name in given})
-    try:
-        return parser.parse_dict(merged)
-    except UserError as err:
-        raise UserError(f"{path}: {err}") from None
-    except (ValueError, TypeError) as err:
-        raise UserError(f"{path}: {err}") from None
+        if key not in owner:
+            raise UserError(f"{path}: unknown key {key!r}; closest valid names: {closest(key, owner)}")
+    overrides = translate(parse_command_line(argv[1:], annotations, paddle), set(owner), "command line", notes, paddle)
+    merged = {**config, **overrides}
+    for name in INPUT_PATHS:
+        if isinstance(merged.get(name), str):
+            merged[name] = resolve_paths(merged[name], name, path, required=False)
+    parsed = []
+    for cls in types:
+        values = {k: v for k, v in merged.items() if owner[k] is cls}
+        parsed.append(build(cls, values, path, TRAINING_BOUNDS))
+    for args in parsed:
+        if isinstance(args, TrainingArguments):
+            args.config_notes = notes
+    return tuple(parsed)

@@ -43,7 +43,10 @@ def configure_logging(level: int) -> None:
 
 
 def setup_logging(training_args: transformers.TrainingArguments) -> None:
+    """Logging for a flat-config script; then the parser's notes on the config (names with no effect here)."""
     configure_logging(logging.INFO if training_args.should_log else logging.WARNING)
+    for note in training_args.config_notes:
+        logging.getLogger("llm.config").info(note)
 
 
 def resume_checkpoint(training_args: transformers.TrainingArguments) -> str | None:

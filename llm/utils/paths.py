@@ -1,0 +1,57 @@
+"""Relative input paths in config files, for both launch habits.
+
+The bundled configs name paths from the repository root (``llm/assets/tiny-prm``); PaddleNLP users run
+``cd llm && python run_reward.py config/...`` with paths relative to ``llm/``. A relative input path is
+looked up in the working directory first, then from the repository root, and the first that exists
+is used. Outputs (``output_dir``) stay relative to the working directory.
+"""
+
+from __future__ import annotations
+
+import os
+
+from llm.utils.errors import UserError
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def search_dirs() -> list[str]:
+    """Where a relative input path is looked for, in order (duplicates removed)."""
+    return list(dict.fromkeys([os.getcwd(), REPO_ROOT]))
+
+
+def resolve_input_path(value: str) -> str | None:
+    """The path ``value`` names: as given if absolute or found from the working directory, else from the
+    repository root; None if it exists nowhere."""
+    if os.path.isabs(value):
+        return value if os.path.exists(value) else None
+    for base in search_dirs():
+        candidate = os.path.join(base, value)
+        if os.path.exists(candidate):
+            return value if base == os.getcwd() else candidate
+    return None
+
+
+def tried(value: str) -> str:
+    """The places looked at for ``value``, for an error message."""
+    if os.path.isabs(value):
+        return value
+    return ", ".join(os.path.join(base, value) for base in search_dirs())
+
+
+def resolve_paths(value: str, field: str, where: str, *, required: bool = True) -> str:
+    """One path or comma-separated paths (data mixes), each resolved; a missing one stops the run naming
+    ``field`` and every place tried (``required`` false: a missing path is left as given, e.g. a hub id)."""
+    parts = []
+    for part in value.split(","):
+        part = part.strip()
+        found = resolve_input_path(part) if part else None
+        if found is None:
+            if required:
+                raise UserError(
+                    f"{where}: {field} {part!r} does not exist (looked in: {tried(part)}); relative paths are "
+                    "read from the working directory or the repository root"
+                )
+            found = part
+        parts.append(found)
+    return ",".join(parts)
