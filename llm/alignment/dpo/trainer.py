@@ -136,6 +136,16 @@ class DPOTrainer(AlignmentTrainer):
             {"record": rec, **{k: col[i] for k, col in columns.items()}} for i, rec in enumerate(batch.records.tolist())
         ]
 
+    def metric_names(self) -> list[str]:
+        return [
+            "rewards/chosen",
+            "rewards/rejected",
+            "rewards/margins",
+            "rewards/accuracies",
+            "logps/chosen",
+            "logps/rejected",
+        ]
+
     def metrics(self, examples: list[dict]) -> dict[str, float]:
         """TRL's names: rewards/{chosen,rejected,margins,accuracies}, logps/{chosen,rejected} (means over pairs)."""
         if not examples:

@@ -31,6 +31,9 @@ class SFTTrainer(AlignmentTrainer):
         tokens = per_example_sums(out.values["nll"].new_ones(out.loss.shape), batch).long().tolist()
         return [{"record": r, "nll": s, "tokens": n} for r, s, n in zip(batch.records.tolist(), nll, tokens)]
 
+    def metric_names(self) -> list[str]:
+        return ["ppl"]
+
     def metrics(self, examples: list[dict]) -> dict[str, float]:
         if not examples:
             return {}
