@@ -81,6 +81,8 @@ def test_pairwise_loss_hand_values():
     assert torch.allclose(pairwise_loss(c, r, margin=1.0), torch.tensor([1.313262, 0.693147]), atol=1e-6)
     # centering adds c * (s_c + s_r)^2 = 0.1 * 4 = 0.4 for the first pair
     assert torch.allclose(pairwise_loss(c, r, center_coefficient=0.1)[0], torch.tensor(1.093147), atol=1e-6)
+    # PaddleNLP's regularization adds r * (s_c^2 + s_r^2): pair 2, 0.01 * (4 + 1) = 0.05 -> 0.363262
+    assert torch.allclose(pairwise_loss(c, r, regularization=0.01), torch.tensor([0.713147, 0.363262]), atol=1e-6)
 
 
 def test_step_loss_hand_values():

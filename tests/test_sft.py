@@ -135,17 +135,26 @@ def test_chunked_readouts_equal_unchunked_with_gradients():
     hidden = torch.randn(50, 16, requires_grad=True)
     weight = torch.randn(40, 16, requires_grad=True)
     targets = torch.randint(0, 40, (50,))
-    grads = []
+    grads, hits = [], []
     for chunk in (1000, 7):
-        out = readout_log_probs(hidden, targets, weight, None, chunk_size=chunk)
+        out, hit = readout_log_probs(hidden, targets, weight, None, chunk_size=chunk)
         (g_h, g_w) = torch.autograd.grad((out * torch.linspace(0.5, 1.5, 50)).sum(), (hidden, weight))
         grads.append((out.detach(), g_h, g_w))
+        hits.append(hit)
     for a, b in zip(grads[0], grads[1]):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
     # the naive form
-    assert torch.allclose(
-        grads[0][0], (hidden @ weight.T).log_softmax(-1).gather(-1, targets[:, None])[:, 0], atol=1e-6
-    )
+    logits = hidden @ weight.T
+    assert torch.allclose(grads[0][0], logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0], atol=1e-6)
+    assert torch.equal(hits[0], logits.argmax(-1) == targets) and torch.equal(hits[0], hits[1])
+
+
+def test_token_accuracy_metric_counts_argmax_hits_over_answer_tokens():
+    # two examples: 3 answer tokens with 2 hits, 1 token with 0 hits -> 2 / 4 over all answer tokens
+    # (a token mean, not a mean of per-example accuracies, which would give (2/3 + 0) / 2)
+    examples = [{"record": 0, "nll": 3.0, "tokens": 3, "hits": 2}, {"record": 1, "nll": 1.0, "tokens": 1, "hits": 0}]
+    metrics = SFTTrainer.metrics(None, examples)
+    assert metrics["accuracy"] == 0.5 and abs(metrics["ppl"] - math.exp(1.0)) < 1e-12
 
 
 def test_perplexity():

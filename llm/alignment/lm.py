@@ -4,6 +4,10 @@ The vocabulary projection is applied only at readout positions, never at every p
 row: the model runs with ``output_hidden_states=True, logits_to_keep=1`` (``readout_hidden``), and
 the LM head is applied to the gathered hidden states ``chunk_size`` readouts at a time. Under autograd
 each chunk is checkpointed, so backward also holds one ``(chunk, vocab)`` block of logits at a time.
+
+Precision (``llm.utils.precision``): the hidden states are cast to the head weight's dtype for the
+matmul (under the trainers' bf16/fp16 autocast it runs in half precision, O1 and O2 alike), and the
+logits are upcast to fp32 before the log-softmax: log-probs are fp32.
 """
 
 from __future__ import annotations
@@ -45,9 +49,11 @@ READOUT_CHUNK = 1024  # readouts per LM-head block: 1024 x 128k vocab x 4 bytes 
 
 def _chunk_log_probs(
     hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    logits = F.linear(hidden, weight, bias).float()
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # accelerate returns the forward's outputs in fp32; O2's head weight is bf16/fp16
+    logits = F.linear(hidden.to(weight.dtype), weight, bias).float()
+    log_probs = logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
+    return log_probs, logits.argmax(-1) == targets
 
 
 def readout_log_probs(
@@ -56,10 +62,11 @@ def readout_log_probs(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     chunk_size: int = READOUT_CHUNK,
-) -> torch.Tensor:
-    """``log_softmax(hidden @ weight.T + bias)[target]`` per readout, in fp32.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log_softmax(hidden @ weight.T + bias)[target]`` per readout, in fp32, and whether the target is the
+    most likely token (greedy token accuracy; ties go to the lowest id, as ``argmax`` breaks them).
 
-    Shapes: ``hidden`` ``(N, H)``, ``targets`` ``(N,)``, ``weight`` ``(V, H)`` -> ``(N,)``.
+    Shapes: ``hidden`` ``(N, H)``, ``targets`` ``(N,)``, ``weight`` ``(V, H)`` -> ``(N,)`` float, ``(N,)`` bool.
     """
     if hidden.shape[0] <= chunk_size:
         return _chunk_log_probs(hidden, targets, weight, bias)
@@ -71,13 +78,14 @@ def readout_log_probs(
             parts.append(checkpoint(_chunk_log_probs, h, t, weight, bias, use_reentrant=False))
         else:
             parts.append(_chunk_log_probs(h, t, weight, bias))
-    return torch.cat(parts)
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
 def token_log_probs(
     model: torch.nn.Module, head: torch.nn.Linear, batch: PackedBatch, chunk_size: int = READOUT_CHUNK
-) -> torch.Tensor:
-    """``(N,)`` log-probability of each readout target; ``model`` may be DDP-wrapped, ``head`` is its LM head."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(N,)`` log-probability of each readout target and ``(N,)`` whether it is the argmax token; ``model``
+    may be DDP-wrapped, ``head`` is its LM head."""
     hidden = readout_hidden(model, batch, causal_lm=True)
     return readout_log_probs(hidden, batch.readout_target, full_weight(head.weight), full_weight(head.bias), chunk_size)
 
@@ -92,10 +100,16 @@ def per_example_sums(values: torch.Tensor, batch: PackedBatch, mask: torch.Tenso
 
 
 def weights_dtype(training_args: TrainingArguments) -> torch.dtype:
-    """fp32 weights, or half-precision ones with ``fp16_opt_level`` O2."""
-    if training_args.fp16_opt_level == "O2":
-        return torch.bfloat16 if training_args.bf16 else torch.float16
-    return torch.float32
+    """fp32 weights, or half-precision ones with ``fp16_opt_level`` O2 (``llm.utils.precision``)."""
+    if training_args.fp16_opt_level != "O2":
+        return torch.float32
+    if training_args.fp16:
+        # accelerate's fp16 runs need a GradScaler, and GradScaler.unscale_ refuses fp16 gradients
+        raise UserError(
+            "fp16_opt_level 'O2' with fp16: torch's GradScaler cannot unscale fp16 gradients; "
+            "use bf16 (O1 or O2), or fp16 with O1 (fp32 weights, fp16 autocast)"
+        )
+    return torch.bfloat16
 
 
 def load_causal_lm(

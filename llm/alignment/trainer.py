@@ -9,12 +9,16 @@ What it adds to ``Trainer``:
 - the parallel layout of ``llm.utils.distributed`` (FSDP2 / tensor parallel models placed by
   transformers) and a checkpoint that resumes under any layout: model and optimizer state in
   torch.distributed.checkpoint files (``checkpoint-N/sharded_state``), plus, with
-  ``unified_checkpoint``, the model as one Hugging Face safetensors file.
+  ``unified_checkpoint``, the model as one Hugging Face safetensors file;
+- mixed precision (``llm.utils.precision``): every ``forward_items`` (training, evaluation, DPO's
+  reference and precomputed log-probs) runs under the same bf16/fp16 autocast, and AdamW keeps fp32
+  master weights of O2's half-precision weights (``MasterWeightAdamW``).
 Subclasses implement ``forward_items``, ``count_items``, ``example_outputs`` and ``metrics``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -36,6 +40,8 @@ from llm.utils.distributed import (
     save_sharded_state,
     tensor_parallel_on_cpu,
 )
+from llm.utils.errors import UserError
+from llm.utils.precision import MasterWeightAdamW
 from llm.utils.preemption import SaveOnSignal
 
 logger = logging.getLogger(__name__)
@@ -78,7 +84,28 @@ class AlignmentTrainer(Trainer):
     def stopped_by_signal(self) -> bool:
         return any(isinstance(cb, SaveOnSignal) and cb.received for cb in self.callback_handler.callbacks)
 
+    def train(self, *args, **kwargs):
+        self.check_metric_for_best_model()
+        return super().train(*args, **kwargs)
+
+    def check_metric_for_best_model(self) -> None:
+        """``metric_for_best_model`` must be a metric this trainer reports (checked before training, not after
+        the first evaluation); ``eval_`` is optional, as in transformers."""
+        name = self.args.metric_for_best_model
+        if name is None:
+            return
+        valid = ["loss", *self.metric_names()]
+        if name.removeprefix("eval_") not in valid:
+            raise UserError(
+                f"metric_for_best_model={name!r} is not a metric of {type(self).__name__}; it reports "
+                f"{', '.join(valid)} (each also as eval_<name>)"
+            )
+
     # --- to implement -------------------------------------------------------------------------
+    def metric_names(self) -> list[str]:
+        """Names of the metrics ``metrics`` returns (for validating ``metric_for_best_model``)."""
+        raise NotImplementedError
+
     def forward_items(self, model: torch.nn.Module, batch: PackedBatch) -> ItemOutputs:
         raise NotImplementedError
 
@@ -104,6 +131,28 @@ class AlignmentTrainer(Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         with tensor_parallel_on_cpu(self.layout):
             super().create_accelerator_and_postprocess()
+
+    def compute_loss_context_manager(self) -> contextlib.ExitStack:
+        # accelerate autocasts only the forward of the model it prepared, and only once training starts:
+        # evaluation-only runs, DPO's reference model and the heads applied after the forward would run
+        # without it. This is the same autocast (bf16/fp16 with mixed precision, none in fp32) around them all.
+        stack = super().compute_loss_context_manager()
+        stack.enter_context(self.accelerator.autocast())
+        return stack
+
+    @staticmethod
+    def get_optimizer_cls_and_kwargs(args, model=None):
+        optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+        if optimizer_cls is torch.optim.AdamW:
+            # fp32 master weights for O2's bf16/fp16 weights; the same AdamW for fp32 ones
+            optimizer_cls = MasterWeightAdamW
+        elif args.fp16_opt_level == "O2":
+            logger.warning(
+                "fp16_opt_level O2 with optim=%s: it steps on the half-precision weights themselves "
+                "(fp32 master weights need AdamW: adamw_torch or adamw_torch_fused)",
+                args.optim,
+            )
+        return optimizer_cls, kwargs
 
     def _prepare_inputs(self, inputs: PackedBatch) -> PackedBatch:
         return inputs.to(self.args.device)

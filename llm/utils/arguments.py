@@ -137,7 +137,12 @@ class TrainingArguments(transformers.TrainingArguments):
         default=0.0, metadata={"help": "Warmup as a ratio of total steps; warmup_steps wins.", "min": 0}
     )
     fp16_opt_level: str = field(
-        default="O1", metadata={"help": "O1: autocast mixed precision; O2: half-precision weights."}
+        default="O1",
+        metadata={
+            "help": "O1: fp32 weights, bf16/fp16 autocast; O2: bf16 weights, the same autocast, AdamW on fp32 "
+            "master weights (llm/utils/precision.py); fp16 with O2 is refused (GradScaler cannot unscale fp16 "
+            "gradients)."
+        },
     )
     tensor_parallel_degree: int = field(
         default=1, metadata={"help": "Processes per tensor-parallel group (DTensor, the model's tp_plan).", "min": 1}
@@ -232,6 +237,11 @@ def validate_arguments(model_args: ModelArgument, data_args: DataArgument, train
             raise UserError("use_flash_attention: flash-attn is not installed; pip install flash-attn or set it false")
     if training_args.fp16_opt_level == "O2" and not (training_args.bf16 or training_args.fp16):
         raise UserError("fp16_opt_level 'O2' (half-precision weights) needs bf16 or fp16 set to true")
+    if training_args.fp16_opt_level == "O2" and training_args.fp16:
+        raise UserError(
+            "fp16_opt_level 'O2' with fp16: torch's GradScaler cannot unscale fp16 gradients; use bf16 (O1 or O2), "
+            "or fp16 with O1 (fp32 weights, fp16 autocast)"
+        )
     if training_args.fp16 and not torch.cuda.is_available():
         raise UserError("fp16 needs a CUDA device; on CPU use bf16 instead")
     layout = training_args.layout  # validates sharding / degrees against the world size

@@ -68,7 +68,10 @@ def load_model(
 ) -> PreTrainedModel:
     """Load ``auto_class`` (AutoModelForCausalLM, AutoModelForSequenceClassification...) from ``path``.
 
-    With ``init_from_config`` the weights are random, seeded, built from ``path/config.json``.
+    With ``init_from_config`` the weights are random, seeded, built from ``path/config.json``. Either way
+    the global RNG is seeded with ``seed`` first, so the weights ``from_pretrained`` draws for what the
+    checkpoint lacks (a ``score`` head on a causal-LM checkpoint) are the same in every run, on every rank
+    and under every layout.
     ``layout`` (FSDP2 sharding / tensor parallel) places the model across the processes: every rank
     reads only its own shard of a checkpoint. ``recompute`` (``full_attn`` | ``core_attn``): see ``enable_recompute``.
     """
@@ -81,12 +84,12 @@ def load_model(
         raise UserError(f"model_name_or_path {path!r}: cannot read config.json ({err})") from None
     if pad_token_id is not None:
         config.pad_token_id = pad_token_id
+    transformers.set_seed(seed)
     if init_from_config:
         if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in WEIGHT_FILES):
             raise UserError(
                 f"init_from_config is true but {path} holds trained weights: set init_from_config false to load them"
             )
-        transformers.set_seed(seed)
         model = auto_class.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
         logger.info("initialised %s randomly from %s/config.json (seed %d)", type(model).__name__, path, seed)
     else:

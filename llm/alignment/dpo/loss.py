@@ -16,7 +16,8 @@ Per-pair losses (D: log-ratio margin on sums, M: margin of per-token means)::
 ``s`` is the logistic sigmoid, ``b`` = ``beta``, ``e`` = ``label_smoothing``, ``g`` = ``simpo_gamma``.
 Reference-free mode replaces the reference log-probs by 0. The conventions (sums or per-token means,
 IPO's length normalisation) are those of TRL 1.12: ``DPOTrainer`` for sigmoid/hinge/ipo,
-``CPOTrainer(loss_type="simpo")`` for simpo and ``ORPOTrainer`` for orpo.
+``CPOTrainer(loss_type="simpo")`` for simpo and ``ORPOTrainer`` for orpo. Inputs are fp32 whatever the
+models' precision (``readout_log_probs`` upcasts the logits before the log-softmax): fp32 math throughout.
 """
 
 from __future__ import annotations

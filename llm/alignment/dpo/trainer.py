@@ -81,7 +81,7 @@ class DPOTrainer(AlignmentTrainer):
 
     def pair_log_probs(self, model: torch.nn.Module, head: torch.nn.Linear, batch: PackedBatch):
         """Per-pair answer log-prob sums and lengths, and the per-readout log-probs."""
-        logps = token_log_probs(model, head, batch, self.readout_chunk)
+        logps, _ = token_log_probs(model, head, batch, self.readout_chunk)
         part = batch.readout_part
         ones = torch.ones_like(logps)
         pairs = PairLogProbs(

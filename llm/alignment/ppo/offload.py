@@ -67,16 +67,26 @@ class HostAdamW(torch.optim.AdamW):
                 p.grad.zero_()
 
     def state_by_name(self, names: dict[int, str]) -> dict:
-        """The state in ``get_optimizer_state_dict``'s full format: keyed by parameter name."""
+        """The state in ``get_optimizer_state_dict``'s full format: keyed by parameter name. A half-precision
+        parameter's state also holds its fp32 ``master``, as ``MasterWeightAdamW``'s does (either loads the other's)."""
         sd = self.state_dict()
         key = [names[id(p)] for p in self.params]
         groups = [{**g, "params": [key[i] for i in g["params"]]} for g in sd["param_groups"]]
-        return {"state": {key[i]: s for i, s in sd["state"].items()}, "param_groups": groups}
+        state = {key[i]: s for i, s in sd["state"].items()}
+        for i, (p, m) in enumerate(zip(self.params, self.masters)):
+            if p.dtype != torch.float32 and key[i] in state:
+                state[key[i]] = {**state[key[i]], "master": m.detach()}
+        return {"state": state, "param_groups": groups}
 
     def load_state_by_name(self, state: dict, names: dict[int, str]) -> None:
         index = {names[id(p)]: i for i, p in enumerate(self.params)}
         groups = [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]
-        self.load_state_dict({"state": {index[n]: s for n, s in state["state"].items()}, "param_groups": groups})
+        per_param = {n: {k: v for k, v in s.items() if k != "master"} for n, s in state["state"].items()}
+        self.load_state_dict({"state": {index[n]: s for n, s in per_param.items()}, "param_groups": groups})
+        with torch.no_grad():  # saved fp32 masters replace the ones rounded from the loaded weights
+            for n, s in state["state"].items():
+                if "master" in s:
+                    self.masters[index[n]].copy_(s["master"])
 
 
 class OffloadedTrainableRole(TrainableRole):

@@ -11,7 +11,14 @@ from llm.alignment.lm import weights_dtype
 from llm.alignment.rm.trainer import RewardTrainer
 from llm.data.packing import collate
 from llm.data.pipeline import PackedData, load_packed, plan_summary, train_and_dev
-from llm.data.tokenize import EncodeConfig, encode_pair_for_scores, encode_prm, single_token_id
+from llm.data.tokenize import (
+    EncodeConfig,
+    add_placeholder_token,
+    encode_pair_for_scores,
+    encode_prm,
+    placeholder_token_id,
+    single_token_id,
+)
 from llm.utils.arguments import DataArgument, ModelArgument, TrainingArguments, recompute_mode
 from llm.utils.attention import kernel_for
 from llm.utils.errors import UserError
@@ -47,7 +54,7 @@ def build_reward_data(
         data_args.max_seq_len, data_args.max_prompt_len, data_args.overlong_policy, data_args.use_chat_template
     )
     if process_reward:
-        placeholder_id = single_token_id(tokenizer, model_args.placeholder_token, "placeholder_token")
+        placeholder_id = placeholder_token_id(tokenizer, model_args.placeholder_token, "placeholder_token")
         encode = functools.partial(
             encode_prm,
             tokenizer=tokenizer,
@@ -71,6 +78,22 @@ def build_reward_data(
         reward_tokens=tokens,
         placeholder=model_args.placeholder_token,
     )
+
+
+def fit_embeddings(model, tokenizer: PreTrainedTokenizerBase, training_args: TrainingArguments) -> None:
+    """After ``add_placeholder_token``: give the new token id an embedding row (resize when the model has none)."""
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) <= rows:  # e.g. Qwen2: 151,936 rows for 151,646 tokens
+        logger.info("the added token takes a spare row of the model's %d embedding rows: no resize", rows)
+        return
+    if training_args.layout.native:
+        raise UserError(
+            f"add_placeholder_token: the tokenizer now has {len(tokenizer)} tokens and the model {rows} embedding "
+            "rows, and a model sharded across processes (FSDP2 / tensor parallel) cannot be resized: resize it "
+            "once in one process (a run without sharding), then train from the saved checkpoint"
+        )
+    model.resize_token_embeddings(len(tokenizer))
+    logger.info("model embeddings resized from %d to %d rows for the added placeholder token", rows, len(tokenizer))
 
 
 def build_reward_model(model_args: ModelArgument, training_args: TrainingArguments, tokenizer: PreTrainedTokenizerBase):
@@ -117,7 +140,11 @@ def build_reward_model(model_args: ModelArgument, training_args: TrainingArgumen
 
 def build_reward_trainer(model_args: ModelArgument, data_args: DataArgument, training_args: TrainingArguments):
     tokenizer = load_tokenizer(model_args.tokenizer_name_or_path or model_args.model_name_or_path)
+    added = training_args.process_reward and model_args.add_placeholder_token
+    added = added and add_placeholder_token(tokenizer, model_args.placeholder_token)
     model, token_ids = build_reward_model(model_args, training_args, tokenizer)
+    if added:
+        fit_embeddings(model, tokenizer, training_args)
     data = functools.partial(
         build_reward_data,
         tokenizer=tokenizer,
@@ -150,6 +177,7 @@ def build_reward_trainer(model_args: ModelArgument, data_args: DataArgument, tra
         reward_token_ids=token_ids,
         margin=training_args.margin,
         center_rewards_coefficient=training_args.center_rewards_coefficient,
+        score_regularization=training_args.score_regularization,
         callbacks=[SaveOnSignal()],
     )
     return trainer, train, dev

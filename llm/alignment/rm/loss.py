@@ -8,16 +8,24 @@ import torch.nn.functional as F
 
 
 def pairwise_loss(
-    chosen: torch.Tensor, rejected: torch.Tensor, margin: float = 0.0, center_coefficient: float = 0.0
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    margin: float = 0.0,
+    center_coefficient: float = 0.0,
+    regularization: float = 0.0,
 ) -> torch.Tensor:
-    """Bradley-Terry loss per pair: ``-log sigmoid(s_c - s_r - margin) + c * (s_c + s_r)^2``.
+    """Bradley-Terry loss per pair: ``-log sigmoid(s_c - s_r - margin) + c * (s_c + s_r)^2 + r * (s_c^2 + s_r^2)``.
 
-    Shapes: ``chosen``, ``rejected`` ``(P,)`` -> ``(P,)``. Mean over pairs equals TRL's RewardTrainer
-    loss (``center_rewards_coefficient`` there is ``c`` here).
+    Shapes: ``chosen``, ``rejected`` ``(P,)`` -> ``(P,)``, computed in fp32 whatever the scores' dtype.
+    Mean over pairs equals TRL's RewardTrainer loss (``center_rewards_coefficient`` there is ``c`` here) and,
+    with ``r``, PaddleNLP's sequence-wise reward loss (``regularization``: ``+ r * (mean s_r^2 + mean s_c^2)``).
     """
+    chosen, rejected = chosen.float(), rejected.float()
     loss = -F.logsigmoid(chosen - rejected - margin)
     if center_coefficient:
         loss = loss + center_coefficient * (chosen + rejected) ** 2
+    if regularization:
+        loss = loss + regularization * (chosen**2 + rejected**2)
     return loss
 
 
@@ -25,7 +33,7 @@ def step_loss(reward_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
     """PRM cross-entropy per step over the two reward-token logits.
 
     ``reward_logits`` ``(S, 2)`` = logits of ('+', '-') at each placeholder; ``labels`` ``(S,)`` with
-    0 = '+', 1 = '-'. Returns ``(S,)``.
+    0 = '+', 1 = '-'. Returns ``(S,)``, in fp32 (the logits are upcast first).
     """
     return F.cross_entropy(reward_logits.float(), labels, reduction="none")
 

@@ -2,6 +2,10 @@
 
 The two modes differ only in how the final hidden states at the readout positions become
 per-item losses and per-example outputs; everything else is ``AlignmentTrainer``.
+
+Precision (``llm.utils.precision``): the heads get the hidden states cast to their weight's dtype (the
+matmul runs in bf16/fp16 under the trainer's autocast, O1 and O2); reward logits and scores are upcast
+to fp32 before the cross-entropy, softmax and log-sigmoid of ``rm.loss``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class RewardTrainer(AlignmentTrainer):
         reward_token_ids: tuple[int, int] | None = None,
         margin: float = 0.0,
         center_rewards_coefficient: float = 0.0,
+        score_regularization: float = 0.0,
         **kwargs,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -36,6 +41,7 @@ class RewardTrainer(AlignmentTrainer):
         self.reward_token_ids = list(reward_token_ids) if reward_token_ids else None
         self.margin = margin
         self.center = center_rewards_coefficient
+        self.regularization = score_regularization
         if process_reward and self.reward_token_ids is None:
             raise ValueError("PRM mode needs reward_token_ids")
         self.readouts_only = self.last_layer_at_readouts and readout.install(self.model)
@@ -51,12 +57,14 @@ class RewardTrainer(AlignmentTrainer):
             head = self.model.get_output_embeddings()
             weight, bias = full_weight(head.weight), full_weight(head.bias)
             bias = bias[self.reward_token_ids] if bias is not None else None
-            logits = F.linear(hidden, weight[self.reward_token_ids], bias)
+            # accelerate returns the forward's outputs in fp32; O2's head weight is bf16
+            logits = F.linear(hidden.to(weight.dtype), weight[self.reward_token_ids], bias).float()
             loss = step_loss(logits, batch.readout_target)
             return ItemOutputs(loss, {"score": step_scores(logits).detach(), "logits": logits.detach()})
-        scores = self.model.score(hidden).squeeze(-1).float()
+        head = self.model.score
+        scores = head(hidden.to(head.weight.dtype)).squeeze(-1).float()
         chosen, rejected = scores[batch.readout_part == 0], scores[batch.readout_part == 1]
-        loss = pairwise_loss(chosen, rejected, self.margin, self.center)
+        loss = pairwise_loss(chosen, rejected, self.margin, self.center, self.regularization)
         return ItemOutputs(loss, {"chosen": chosen.detach(), "rejected": rejected.detach()})
 
     def example_outputs(self, batch: PackedBatch, out: ItemOutputs) -> list[dict]:
@@ -73,6 +81,13 @@ class RewardTrainer(AlignmentTrainer):
             examples[ex]["step_scores"].append(score)
             examples[ex]["labels"].append("+" if label == 0 else "-")
         return examples
+
+    def metric_names(self) -> list[str]:
+        return (
+            ["step_accuracy", "solution_accuracy", "majority_baseline"]
+            if self.process_reward
+            else ["accuracy", "margin"]
+        )
 
     def metrics(self, examples: list[dict]) -> dict[str, float]:
         if not examples:

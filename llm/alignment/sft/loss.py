@@ -3,7 +3,8 @@
 The trainer sums the per-token losses and divides by the *global* number of target tokens of the
 optimizer step (``AlignmentTrainer``), so every response token weighs the same whatever example,
 micro-batch or rank it is in: the mean NLL over all target tokens, as Hugging Face's
-``num_items_in_batch`` normalisation and torchtitan do.
+``num_items_in_batch`` normalisation and torchtitan do. The log-probs come in fp32 whatever the model's
+precision (``llm.alignment.lm.readout_log_probs`` upcasts the logits before the log-softmax).
 """
 
 from __future__ import annotations

@@ -22,19 +22,28 @@ class SFTTrainer(AlignmentTrainer):
         return batch.readout_index.numel()
 
     def forward_items(self, model, batch: PackedBatch) -> ItemOutputs:
-        logps = token_log_probs(model, self.model.get_output_embeddings(), batch, self.readout_chunk)
+        logps, hits = token_log_probs(model, self.model.get_output_embeddings(), batch, self.readout_chunk)
         loss = token_nll(logps)
-        return ItemOutputs(loss, {"nll": loss.detach()})
+        return ItemOutputs(loss, {"nll": loss.detach(), "hits": hits})
 
     def example_outputs(self, batch: PackedBatch, out: ItemOutputs) -> list[dict]:
         nll = per_example_sums(out.values["nll"].double(), batch).tolist()
         tokens = per_example_sums(out.values["nll"].new_ones(out.loss.shape), batch).long().tolist()
-        return [{"record": r, "nll": s, "tokens": n} for r, s, n in zip(batch.records.tolist(), nll, tokens)]
+        hits = per_example_sums(out.values["hits"].double(), batch).long().tolist()
+        return [
+            {"record": r, "nll": s, "tokens": n, "hits": h}
+            for r, s, n, h in zip(batch.records.tolist(), nll, tokens, hits)
+        ]
 
     def metric_names(self) -> list[str]:
-        return ["ppl"]
+        return ["ppl", "accuracy"]
 
     def metrics(self, examples: list[dict]) -> dict[str, float]:
         if not examples:
             return {}
-        return {"ppl": perplexity(sum(ex["nll"] for ex in examples), sum(ex["tokens"] for ex in examples))}
+        tokens = sum(ex["tokens"] for ex in examples)
+        # accuracy: share of answer tokens that are the model's most likely next token (PaddleNLP's SFT metric)
+        return {
+            "ppl": perplexity(sum(ex["nll"] for ex in examples), tokens),
+            "accuracy": sum(ex["hits"] for ex in examples) / max(tokens, 1),
+        }
