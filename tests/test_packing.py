@@ -470,3 +470,19 @@ def test_last_layer_at_readouts_only_for_llama_shaped_layers():
     from llm.alignment.rm import readout
 
     assert not readout.install(tiny_model("qwen3"))  # q/k norms: keeps the full layer
+
+
+def test_repeated_stream_starts_again_and_an_empty_one_stops():
+    from itertools import islice
+
+    from llm.data.packing import StreamedRows
+    from llm.utils.errors import UserError
+
+    examples = [causal_example(list(range(1, n + 1)), [n - 1], [0], record=i) for i, n in enumerate((5, 7, 3))]
+    once = list(StreamedRows(lambda: iter(examples), 8, None))
+    assert len(once) == 3  # one example per row without packing
+    cycled = list(islice(StreamedRows(lambda: iter(examples), 8, None, repeat=True), 7))
+    # pass 1, pass 2, then the first row of pass 3: rows in file order, the seam invisible
+    assert [r.input_ids for r in cycled] == [r.input_ids for r in (once * 3)[:7]]
+    with pytest.raises(UserError, match="nothing.jsonl: the stream holds no example that fits max_seq_len=8"):
+        next(iter(StreamedRows(lambda: iter([]), 8, None, repeat=True, source="nothing.jsonl")))

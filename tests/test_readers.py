@@ -47,6 +47,15 @@ PAIR = [
     {"src": ["Q1 first", "Q1 second"], "tgt": ["A1 first"], "response": ["best", "worse"], "sort": [2.5, -1]},
 ]
 PROMPT = [{"src": "P0", "tgt": "10"}, {"src": "P1", "tgt": "11"}]
+# Math-Shepherd without a separate prompt: PaddleNLP's conversion and the Hugging Face rows.
+SHEPHERD = [
+    {"src": [""], "tgt": [], "responses": ["What is 2 + 3? Step 1: 2 + 3 = 5.", "Step 2: 5"], "labels": ["+", "-"]},
+    {
+        "input": "What is 2 + 3? Step 1: 2 + 3 = 5. ки\nStep 2: 5 ки",
+        "label": "What is 2 + 3? Step 1: 2 + 3 = 5. +\nStep 2: 5 -",
+        "task": "GSM8K",
+    },
+]
 
 
 def strip_source(records):
@@ -81,7 +90,11 @@ def write_hf(path, records, split=None):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind,records", [("prm", PRM), ("pair", PAIR), ("prompt", PROMPT)])
+@pytest.mark.parametrize(
+    "kind,records",
+    [("prm", PRM), ("prm", SHEPHERD), ("pair", PAIR), ("prompt", PROMPT)],
+    ids=["prm", "prm-shepherd", "pair", "prompt"],
+)
 def test_every_format_reads_the_same_records(tmp_path, kind, records):
     files = [
         write_jsonl(tmp_path / "d.jsonl", records),
@@ -195,6 +208,27 @@ def test_trl_stepwise_prm(tmp_path):
     # booleans survive parquet
     (p,) = read_records(write_parquet(tmp_path / "d.parquet", [rec]), "prm")
     assert p.labels == ["+", "-", "-"]
+
+
+def test_math_shepherd_layouts_have_no_separate_prompt(tmp_path):
+    a, b = read_records(write_jsonl(tmp_path / "d.jsonl", SHEPHERD), "prm")
+    assert a.prompt == b.prompt == []
+    assert a.steps == b.steps == ["What is 2 + 3? Step 1: 2 + 3 = 5.", "Step 2: 5"]
+    assert a.labels == b.labels == ["+", "-"]
+    # the steps re-joined as the trainer does are exactly the Hugging Face row's input
+    from llm.data.tokenize import prm_response_text
+
+    assert prm_response_text(b.steps, "ки") == SHEPHERD[1]["input"]
+    # src as an empty string, other placeholder and reward tokens, a label mark that is a prefix of the other
+    records = [
+        {"src": "", "responses": ["q s1", "s2"], "labels": [True, False]},
+        {"input": "q s1 <step>\ns2 <step>\n", "label": "q s1 ok\ns2 okay\n"},
+    ]
+    a, b = read_records(
+        write_jsonl(tmp_path / "e.jsonl", records), "prm", reward_tokens="okay,ok", placeholder="<step>"
+    )
+    assert a.prompt == b.prompt == [] and a.steps == b.steps == ["q s1", "s2"]
+    assert a.labels == ["okay", "ok"] and b.labels == ["ok", "okay"]
 
 
 def test_trl_pair_forms(tmp_path):
@@ -322,6 +356,54 @@ BAD_CASES = [
     ("prompt-ref-empty", "prompt", {"src": "q", "tgt": " "}, "'tgt'", ["reference answer is empty"]),
     ("prompt-ref-type", "prompt", {"prompt": "q", "reference": {"a": 1}}, "'reference'", ["got object"]),
     ("prompt-missing", "prompt", {"text": "q"}, None, ["missing required fields", "'text'", '"src"']),
+    (
+        "shepherd-differs",
+        "prm",
+        {**SHEPHERD[1], "label": "What is 2 + 3? Step 1: 2 + 3 = 6. +\nStep 2: 5 -"},
+        "'label'",
+        ["differs from 'input' outside the step marks at character 31", "input has '5. '", "label has '6. +"],
+    ),
+    (
+        "shepherd-mark",
+        "prm",
+        {**SHEPHERD[1], "label": "What is 2 + 3? Step 1: 2 + 3 = 5. +\nStep 2: 5 ки"},
+        "'label'",
+        ["step 1: at the place of its 'ки' the label has 'ки'", "not start with a reward token '+' or '-'"],
+    ),
+    (
+        "shepherd-no-mark",
+        "prm",
+        {"input": "What is 2 + 3? 5", "label": "What is 2 + 3? 5"},
+        "'input'",
+        ["has no placeholder 'ки'"],
+    ),
+    (
+        "shepherd-tail",
+        "prm",
+        {"input": "q s1 ки\ns2", "label": "q s1 +\ns2"},
+        "'input'",
+        ["text after the last placeholder 'ки' ('s2')"],
+    ),
+    (
+        "shepherd-label-tail",
+        "prm",
+        {"input": "q s1 ки", "label": "q s1 + extra"},
+        "'label'",
+        ["differs from 'input'", "label has ' extra'"],
+    ),
+    ("shepherd-empty-step", "prm", {"input": "q ки ки", "label": "q + +"}, "'input'", ["step 1 is empty"]),
+    ("shepherd-type", "prm", {"input": ["q ки"], "label": "q +"}, "'input'", ["must be a string", "got list"]),
+    ("shepherd-missing", "prm", {"input": "q ки"}, "'label'", ["missing required field", "Math-Shepherd"]),
+    (
+        "shepherd-mixed",
+        "prm",
+        {**SHEPHERD[1], "src": "q"},
+        None,
+        ["mixes PaddleNLP fields (src) with Math-Shepherd fields (input, label)"],
+    ),
+    ("empty-src-system", "prm", {**SHEPHERD[0], "system": "s"}, "'system'", ["src is empty"]),
+    ("empty-src-turns", "prm", {**SHEPHERD[0], "src": ["", "q"], "tgt": ["a"]}, "'src'", ["turn 0 is empty"]),
+    ("empty-src-pair", "pair", {**PAIR[0], "src": [""]}, "'src'", ["turn 0 is empty"]),
     ("not-object", "prm", ["q", "a"], None, ["JSON list, not an object"]),
     ("not-object-str", "pair", "q", None, ["JSON string, not an object"]),
 ]
@@ -367,6 +449,109 @@ def test_custom_placeholder_and_reward_tokens(tmp_path):
         read_records(path, "prm", reward_tokens="+")
     with pytest.raises(UserError, match="unknown data kind 'prn'.*'prm'"):
         read_records(path, "prn")
+
+
+# ---------------------------------------------------------------------------------------------
+# map_keys: rename the user's columns as they are read
+# ---------------------------------------------------------------------------------------------
+
+SFT = [
+    {"src": ["hi", "and?"], "tgt": ["hello", "bye"]},
+    {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+]
+TRL_PAIR = [{"prompt": "q", "chosen": "c", "rejected": "r"}]
+# (kind, records, map_keys {field: column}): the columns are the fields renamed
+RENAMED = [
+    ("prm", PRM, {"src": "question", "tgt": "history", "responses": "steps", "labels": "marks"}),
+    ("prm", SHEPHERD[:1], {"src": "q", "responses": "steps"}),
+    ("prm", SHEPHERD[1:], {"input": "text", "label": "marked"}),
+    ("pair", PAIR, {"src": "query", "response": "answers", "sort": "scores"}),
+    ("pair", TRL_PAIR, {"prompt": "instruction", "chosen": "good", "rejected": "bad"}),
+    ("prompt", PROMPT, {"src": "question", "tgt": "answer_text"}),
+    ("sft", SFT[:1], {"src": "user", "tgt": "assistant"}),
+    ("sft", SFT[1:], {"messages": "conversation"}),
+]
+
+
+def rename(records, map_keys):
+    """The records as the user's data has them: each field under its column name."""
+    return [{map_keys.get(k, k): v for k, v in r.items()} for r in records]
+
+
+@pytest.mark.parametrize("kind,records,map_keys", RENAMED, ids=[f"{c[0]}-{i}" for i, c in enumerate(RENAMED)])
+def test_map_keys_reads_renamed_columns_in_every_format(tmp_path, kind, records, map_keys):
+    expected = strip_source(read_records(write_jsonl(tmp_path / "plain.jsonl", records), kind))
+    renamed = rename(records, map_keys)
+    files = [
+        write_jsonl(tmp_path / "d.jsonl", renamed),
+        write_json_list(tmp_path / "d.json", renamed),
+        write_parquet(tmp_path / "d.parquet", renamed),
+        write_hf(tmp_path / "hf", renamed),
+    ]
+    for f in files:
+        assert strip_source(read_records(f, kind, map_keys=map_keys)) == expected, f
+        assert strip_source(load_dataset_records(f, kind, lazy=True, map_keys=map_keys)) == expected, f
+    mixed = load_dataset_records(f"{files[0]},{files[2]}", kind, probs="0.5,0.5", map_keys=map_keys)
+    lazy = load_dataset_records(f"{files[0]},{files[2]}", kind, probs="0.5,0.5", map_keys=map_keys, lazy=True)
+    assert strip_source(mixed) == strip_source(lazy) and len(mixed) >= 2 * len(records)
+
+
+def test_map_keys_the_mapped_column_wins_and_a_swap_works(tmp_path):
+    # a column already named like a mapped field is not read; renaming is simultaneous
+    rec = {"prompt": "not this", "question": "Q?", "chosen": "r", "rejected": "c"}
+    (r,) = read_records(
+        write_jsonl(tmp_path / "d.jsonl", [rec]),
+        "pair",
+        map_keys={"prompt": "question", "chosen": "rejected", "rejected": "chosen"},
+    )
+    assert r.prompt == [{"role": "user", "content": "Q?"}] and (r.chosen, r.rejected) == ("c", "r")
+
+
+def test_map_keys_errors_name_file_record_and_column(tmp_path):
+    path = write_jsonl(tmp_path / "mapped.jsonl", rename(PROMPT, {"src": "question"}) + [{"q": "x"}])
+    with pytest.raises(UserError) as exc:
+        read_records(path, "prompt", map_keys={"src": "question"})
+    msg = str(exc.value)
+    assert "mapped.jsonl: record 2 (line 3), field 'src' (column 'question' by map_keys)" in msg
+    assert "the record has no column 'question' (it has: 'q')" in msg and "Fix: correct map_keys" in msg
+    # a problem in a mapped field names the user's column too
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"question": 5}])
+    with pytest.raises(UserError, match=r"record 0 \(line 1\), field 'src' \(column 'question' by map_keys\)"):
+        read_records(path, "prompt", map_keys={"src": "question"})
+    # every key must be a field of the kind; checked at once, lazy too, before any file is read
+    with pytest.raises(UserError, match=r"'response' is not a field of 'prm' records \(closest: 'responses'\)"):
+        load_dataset_records(path, "prm", lazy=True, map_keys={"response": "answers"})
+    with pytest.raises(UserError, match="'messages' is not a field of 'pair' records"):
+        read_records(path, "pair", map_keys={"messages": "conversation"})
+    with pytest.raises(UserError, match="map_keys.*give an object"):
+        read_records(path, "prompt", map_keys=[("src", "question")])
+    with pytest.raises(UserError, match="map each field name to the name of a column"):
+        read_records(path, "prompt", map_keys={"src": ""})
+    # no file is needed to see a bad key
+    with pytest.raises(UserError, match="not a field"):
+        load_dataset_records(str(tmp_path / "nope.jsonl"), "sft", map_keys={"prompt": "q"})
+
+
+def test_map_keys_is_threaded_from_data_argument(tmp_path):
+    from llm.data.pipeline import load_packed
+    from llm.data.tokenize import EncodeConfig, encode_prm
+    from llm.utils.arguments import DataArgument
+    from tests.helpers import tokenizer
+
+    map_keys = {"input": "text", "label": "marked"}
+    path = write_jsonl(tmp_path / "d.jsonl", rename(SHEPHERD[1:] * 3, map_keys))
+    tok = tokenizer()
+    args = DataArgument(max_seq_len=256, max_prompt_len=64, map_keys=map_keys)
+    ph = tok.convert_tokens_to_ids("ки")
+    cfg = EncodeConfig(256, 64)
+
+    def encode(record, record_index, counter):
+        return encode_prm(record, tok, cfg, ph, "ки", ("+", "-"), record_index, counter)
+
+    for lazy in (False, True):
+        data = load_packed(path, "prm", encode, args, batch_size=1, seed=0, lazy=lazy)
+        rows = list(data.rows.one_pass() if lazy else data.rows)  # a lazy stream repeats without end
+        assert sum(len(r.readout_position) for r in rows) == 6, lazy  # 3 records, 2 steps each
 
 
 def test_invalid_json_lines_names_line(tmp_path):
@@ -424,7 +609,7 @@ def test_empty_parquet_and_dataset(tmp_path):
 
 
 def test_bad_paths(tmp_path):
-    with pytest.raises(UserError, match=r"nope\.jsonl does not exist; supported formats: \.json"):
+    with pytest.raises(UserError, match=r"nope\.jsonl does not exist \(looked in: .*\); supported formats: \.json"):
         read_records(str(tmp_path / "nope.jsonl"), "prm")
     (tmp_path / "d.csv").write_text("src,tgt\n")
     with pytest.raises(UserError, match=r"d\.csv has an unsupported extension '\.csv'.*\.parquet"):

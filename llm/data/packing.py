@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llm.utils.attention import Block, PackedAttention
+from llm.utils.errors import UserError
 
 
 @dataclass
@@ -271,14 +272,39 @@ class StreamedRows(torch.utils.data.IterableDataset):
 
     Examples are packed ``buffer`` at a time with ``strategy``; the stream is deterministic, so a
     resumed run that skips the first N batches sees exactly the rows an uninterrupted run saw.
+
+    With ``repeat`` the stream starts again from its first example when it ends, without end: training
+    runs to ``max_steps`` (which lazy runs must set) with the optimizer-step groups running on across
+    the seam. Left to transformers, each pass would be an "epoch" whose unfinished accumulation is
+    dropped, and a file packing into fewer rows than ``gradient_accumulation_steps`` would be re-read
+    forever without a single step. A pass that yields no row stops the run.
     """
 
     def __init__(
-        self, examples: Callable[[], Iterator[Example]], max_len: int, strategy: str | None, buffer: int = 1024
+        self,
+        examples: Callable[[], Iterator[Example]],
+        max_len: int,
+        strategy: str | None,
+        buffer: int = 1024,
+        repeat: bool = False,
+        source: str = "the data",
     ) -> None:
         self.examples, self.max_len, self.strategy, self.buffer = examples, max_len, strategy, buffer
+        self.repeat, self.source = repeat, source
 
     def __iter__(self) -> Iterator[PackedRow]:
+        while True:
+            rows = 0
+            for row in self.one_pass():
+                rows += 1
+                yield row
+            if not self.repeat:
+                return
+            if rows == 0:
+                raise UserError(f"{self.source}: the stream holds no example that fits max_seq_len={self.max_len}")
+
+    def one_pass(self) -> Iterator[PackedRow]:
+        """The rows of one read of the stream."""
         pending: list[Example] = []
         for ex in self.examples():
             pending.append(ex)

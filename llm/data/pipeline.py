@@ -35,10 +35,13 @@ def load_packed(
     lazy: bool = False,
     **reader_kwargs,
 ) -> PackedData:
-    """Read, validate, encode and pack one split; ``lazy``: a stream packed on the fly, in constant memory."""
+    """Read, validate, encode and pack one split; ``lazy``: a stream packed on the fly, in constant memory.
+    ``data_args.map_keys`` renames the records' columns as they are read."""
 
     def read(lazy_read: bool):
-        return load_dataset_records(path, kind, probs=probs, seed=seed, lazy=lazy_read, **reader_kwargs)
+        return load_dataset_records(
+            path, kind, probs=probs, seed=seed, lazy=lazy_read, map_keys=data_args.map_keys, **reader_kwargs
+        )
 
     if lazy:
 
@@ -50,8 +53,14 @@ def load_packed(
                     yield example
             logger.info(counter.report(f"{path} (one pass)"))
 
-        logger.info("%s: streamed (lazy), packed on the fly into rows of %d, no shuffling", path, data_args.max_seq_len)
-        return PackedData(StreamedRows(stream, data_args.max_seq_len, data_args.pack), [], None)
+        logger.info(
+            "%s: streamed (lazy), packed on the fly into rows of %d, no shuffling, read again from the start at "
+            "its end until max_steps",
+            path,
+            data_args.max_seq_len,
+        )
+        rows = StreamedRows(stream, data_args.max_seq_len, data_args.pack, repeat=True, source=path)
+        return PackedData(rows, [], None)
     records = list(read(False))
     examples, _ = encode_all(records, encode, path)
     if not examples:

@@ -19,6 +19,12 @@ Schemas (``kind``)
     ``"prm"``: PaddleNLP ``{"src", "tgt", "responses": [step...], "labels": ["+", "-"...]}`` or TRL
     stepwise ``{"prompt", "completions": [step...], "labels": [true, false...]}``. A label may
     be a reward token or a boolean in either format (true = first token, false = second).
+    Math-Shepherd comes in two layouts without a separate prompt (``PRMRecord.prompt`` is
+    empty; the question starts the first step): PaddleNLP's conversion ``{"src": [""], "tgt": [],
+    "responses": ["<question> Step 1: ...", "Step 2: ..."], "labels"}`` and the Hugging Face rows
+    ``{"input": "<question> Step 1: ... ки\\nStep 2: ... ки", "label": <the same text with "+" or
+    "-" in place of each ки>}``: ``input`` is split at the placeholder into steps (stripped) and
+    each label is the reward token that replaces that placeholder in ``label``.
     ``"pair"``: PaddleNLP ``{"src", "tgt", "response": [r0, r1], "sort": [s0, s1]}`` (higher sort
     = chosen) or TRL ``{"prompt", "chosen", "rejected"}``. In TRL form ``chosen``/``rejected`` may
     be strings or message lists; of a message list the last message (role assistant) is the
@@ -52,6 +58,13 @@ Mixing (:func:`load_dataset_records`)
     source with probability > 0 has been read to the end once. A source with probability 0 is
     never read (Hugging Face raises for it instead). Records keep ``source``/``index``.
 
+Renaming (``map_keys``)
+    ``{"field this project reads": "column in the data"}`` renames columns of every record as it is
+    read (MindSpeed-LLM's ``--map-keys``), e.g. ``{"src": "question", "tgt": "answer"}``: the field
+    takes that column's value and a column already carrying the field's own name is ignored. Each
+    key must be a field of the kind (:data:`FIELDS`); every record must have each mapped column (a
+    null value counts as an absent field), else the run stops naming file, record and column.
+
 Lazy mode
     ``lazy=True`` returns an iterator that reads and validates as it goes, in constant memory.
     It does not shuffle: records come in file order (interleaved as above when mixing), and
@@ -69,6 +82,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from llm.utils.errors import UserError, closest
+from llm.utils.paths import tried
 
 Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
 
@@ -80,11 +94,21 @@ SUPPORTED_FORMATS = (
 )
 FORMATS = {
     "prm": 'PaddleNLP {"src", "tgt", "responses": [steps], "labels": [reward tokens]} '
-    'or TRL stepwise {"prompt", "completions": [steps], "labels": [true/false]}',
+    '(src [""] when the question starts the first step), TRL stepwise {"prompt", "completions": [steps], '
+    '"labels": [true/false]} or Math-Shepherd {"input": "<steps, each ending with the placeholder>", '
+    '"label": "<input with a reward token in place of each placeholder>"}',
     "pair": 'PaddleNLP {"src", "tgt", "response": [r0, r1], "sort": [s0, s1]} or TRL {"prompt", "chosen", "rejected"}',
     "prompt": 'PaddleNLP {"src", "tgt" (optional reference)} or {"prompt", "reference" or "answer" (optional)}',
     "sft": 'PaddleNLP {"src": [user turns], "tgt": [one answer per user turn]} '
     'or TRL conversational {"messages": [{"role", "content"}, ...]}',
+}
+
+# The fields each kind reads (the names map_keys may map onto).
+FIELDS = {
+    "prm": ("src", "tgt", "system", "responses", "labels", "prompt", "completions", "input", "label"),
+    "pair": ("src", "tgt", "system", "response", "sort", "prompt", "chosen", "rejected"),
+    "prompt": ("src", "tgt", "system", "prompt", "reference", "answer"),
+    "sft": ("src", "tgt", "system", "messages"),
 }
 
 _JSON_CHUNK = 1 << 20  # characters read at a time from a JSON list
@@ -95,7 +119,9 @@ _BATCH = 1024  # rows per Arrow batch
 class PRMRecord:
     """Process reward (Math-Shepherd) record."""
 
-    prompt: list[Message]  # conversation before the answer, in order, ends with a user turn
+    # conversation before the answer, in order, ends with a user turn; empty when the record has no
+    # separate prompt (Math-Shepherd layouts: the question starts the first step)
+    prompt: list[Message]
     steps: list[str]
     labels: list[str]  # each one of reward_tokens, len == len(steps)
     source: str  # file path it came from
@@ -141,7 +167,12 @@ Record = PRMRecord | PairRecord | PromptRecord | SFTRecord
 
 
 def iter_records(
-    path: str, kind: str, *, reward_tokens: str | Sequence[str] = ("+", "-"), placeholder: str = "ки"
+    path: str,
+    kind: str,
+    *,
+    reward_tokens: str | Sequence[str] = ("+", "-"),
+    placeholder: str = "ки",
+    map_keys: dict[str, str] | None = None,
 ) -> Iterator[Record]:
     """Stream the validated records of one file, in file order, in constant memory.
 
@@ -151,16 +182,22 @@ def iter_records(
     kind = _check_kind(kind)
     tokens = _check_reward_tokens(reward_tokens)
     placeholder = _check_placeholder(placeholder)
+    names = _check_map_keys(map_keys, kind)
     path = os.fspath(path)
     fmt = _detect_format(path)
-    return _iter_validated(path, fmt, kind, tokens, placeholder)
+    return _iter_validated(path, fmt, kind, tokens, placeholder, names)
 
 
 def read_records(
-    path: str, kind: str, *, reward_tokens: str | Sequence[str] = ("+", "-"), placeholder: str = "ки"
+    path: str,
+    kind: str,
+    *,
+    reward_tokens: str | Sequence[str] = ("+", "-"),
+    placeholder: str = "ки",
+    map_keys: dict[str, str] | None = None,
 ) -> list[Record]:
     """Read and validate every record of one file."""
-    return list(iter_records(path, kind, reward_tokens=reward_tokens, placeholder=placeholder))
+    return list(iter_records(path, kind, reward_tokens=reward_tokens, placeholder=placeholder, map_keys=map_keys))
 
 
 def load_dataset_records(
@@ -172,21 +209,24 @@ def load_dataset_records(
     lazy: bool = False,
     reward_tokens: str | Sequence[str] = ("+", "-"),
     placeholder: str = "ки",
+    map_keys: dict[str, str] | None = None,
 ) -> list[Record] | Iterator[Record]:
     """Read one or several data sets (comma-separated ``paths``), mixed by ``probs`` if given.
 
     Eager mode reads and validates every file before returning. ``lazy=True`` returns an
     iterator (no shuffling) that yields the same sequence while reading as it goes.
+    ``map_keys`` renames the columns of every file's records (see the module docstring).
     """
     kind = _check_kind(kind)
     tokens = _check_reward_tokens(reward_tokens)
     placeholder = _check_placeholder(placeholder)
+    names = _check_map_keys(map_keys, kind)
     path_list = _split_paths(paths)
     weights = _parse_probs(probs, path_list) if probs is not None else None
     formats = [_detect_format(p) for p in path_list]
 
     def opener(i: int) -> Callable[[], Iterator[Record]]:
-        return lambda: _iter_validated(path_list[i], formats[i], kind, tokens, placeholder)
+        return lambda: _iter_validated(path_list[i], formats[i], kind, tokens, placeholder, names)
 
     if lazy:
         if weights is None:
@@ -227,6 +267,31 @@ def _check_placeholder(placeholder: str) -> str:
     if not isinstance(placeholder, str) or not placeholder:
         raise UserError(f'placeholder {placeholder!r} is invalid: give a non-empty string, e.g. "ки"')
     return placeholder
+
+
+def _check_map_keys(map_keys: dict[str, str] | None, kind: str) -> dict[str, str]:
+    if map_keys is None:
+        return {}
+    example = '{"src": "question", "tgt": "answer"}'
+    if not isinstance(map_keys, dict):
+        raise UserError(
+            f"map_keys {map_keys!r} is invalid: give an object "
+            f'{{"field this project reads": "column in your data"}}, e.g. {example}'
+        )
+    fields = FIELDS[kind]
+    for field, column in map_keys.items():
+        if not isinstance(field, str) or not isinstance(column, str) or not column:
+            raise UserError(
+                f"map_keys {map_keys!r}: {field!r}: {column!r} is invalid: map each field name to the name "
+                f"of a column (non-empty strings), e.g. {example}"
+            )
+        if field not in fields:
+            raise UserError(
+                f"map_keys {map_keys!r}: {field!r} is not a field of {kind!r} records (closest: "
+                f"{closest(field, fields)}); the keys are the field names this project reads "
+                f"({', '.join(fields)}) and the values the columns of your data"
+            )
+    return dict(map_keys)
 
 
 def _split_paths(paths: str | Sequence[str]) -> list[str]:
@@ -270,7 +335,9 @@ def _detect_format(path: str) -> str:
     if os.path.isdir(path):
         return "hf"
     if not os.path.exists(path):
-        raise UserError(f"data file {path} does not exist; supported formats: {SUPPORTED_FORMATS}")
+        raise UserError(
+            f"data file {path} does not exist (looked in: {tried(path)}); supported formats: {SUPPORTED_FORMATS}"
+        )
     ext = os.path.splitext(path)[1].lower()
     if ext in (".json", ".jsonl"):
         return "json"
@@ -337,16 +404,19 @@ def _interleave(openers: list[Callable[[], Iterator[Record]]], probs: list[float
 class _Where:
     """Where a record is, for error messages."""
 
-    __slots__ = ("index", "line", "path")
+    __slots__ = ("index", "line", "names", "path")
 
-    def __init__(self, path: str, index: int, line: int | None) -> None:
+    def __init__(self, path: str, index: int, line: int | None, names: dict[str, str] | None = None) -> None:
         self.path, self.index, self.line = path, index, line
+        self.names = names or {}  # map_keys: field -> column, so that messages name the user's column too
 
     def __str__(self) -> str:
         return f"{self.path}: record {self.index}" + (f" (line {self.line})" if self.line is not None else "")
 
     def fail(self, field: str | None, problem: str, fix: str) -> NoReturn:
         place = f"{self}, field '{field}'" if field else str(self)
+        if field in self.names:
+            place += f" (column '{self.names[field]}' by map_keys)"
         raise UserError(f"{place}: {problem}. Fix: {fix}")
 
 
@@ -564,22 +634,40 @@ def _iter_hf(path: str) -> Iterator[tuple[int | None, Any]]:
 # --------------------------------------------------------------------------------------------
 
 
-def _iter_validated(path: str, fmt: str, kind: str, tokens: tuple[str, str], placeholder: str) -> Iterator[Record]:
+def _iter_validated(
+    path: str, fmt: str, kind: str, tokens: tuple[str, str], placeholder: str, names: dict[str, str]
+) -> Iterator[Record]:
     parse = {"prm": _parse_prm, "pair": _parse_pair, "prompt": _parse_prompt, "sft": _parse_sft}[kind]
     index = 0
     for line, obj in _iter_raw(path, fmt):
-        where = _Where(path, index, line)
+        where = _Where(path, index, line, names)
         if not isinstance(obj, dict):
             where.fail(
                 None, f"is a JSON {_type_name(obj)}, not an object", f"every record must be an object: {FORMATS[kind]}"
             )
-        yield parse(obj, where, tokens, placeholder)
+        yield parse(_rename(obj, names, where) if names else obj, where, tokens, placeholder)
         index += 1
     if index == 0:
         raise UserError(
             f"{path}: no records found (the file or data set is empty). Fix: give a file with at least one "
             f"record in the {kind!r} format: {FORMATS[kind]}"
         )
+
+
+def _rename(rec: dict, names: dict[str, str], where: _Where) -> dict:
+    """``map_keys``: each field takes its column's value; the mapped columns and any column that already
+    carries a mapped field's name are dropped, so the renaming is simultaneous (a swap works)."""
+    for field, column in names.items():
+        if column not in rec:
+            have = ", ".join(repr(k) for k in rec) or "none"
+            where.fail(
+                field,
+                f"the record has no column {column!r} (it has: {have})",
+                f"correct map_keys ({{{field!r}: <one of the record's columns>}}) or add the column to the data",
+            )
+    out = {k: v for k, v in rec.items() if k not in names and k not in names.values()}
+    out.update({field: rec[column] for field, column in names.items()})
+    return out
 
 
 def _type_name(value: Any) -> str:
@@ -602,24 +690,34 @@ def _present(rec: dict, key: str) -> bool:
     return rec.get(key) is not None
 
 
-def _pick_format(rec: dict, where: _Where, kind: str, paddle: tuple[str, ...], trl: tuple[str, ...]) -> str:
-    """'paddle' or 'trl' by the marker fields present."""
-    has_paddle = [k for k in paddle if _present(rec, k)]
-    has_trl = [k for k in trl if _present(rec, k)]
-    if has_paddle and has_trl:
-        where.fail(
-            None,
-            f"mixes PaddleNLP fields ({', '.join(has_paddle)}) with TRL fields ({', '.join(has_trl)})",
-            f"use one format per record: {FORMATS[kind]}",
-        )
-    if not has_paddle and not has_trl:
+_FORMAT_NAMES = {"paddle": "PaddleNLP", "trl": "TRL", "shepherd": "Math-Shepherd"}
+
+
+def _pick_format(
+    rec: dict,
+    where: _Where,
+    kind: str,
+    paddle: tuple[str, ...],
+    trl: tuple[str, ...],
+    shepherd: tuple[str, ...] = (),
+) -> str:
+    """'paddle', 'trl' or 'shepherd' by the marker fields present."""
+    found = {
+        fmt: [k for k in markers if _present(rec, k)]
+        for fmt, markers in (("paddle", paddle), ("trl", trl), ("shepherd", shepherd))
+    }
+    found = {fmt: keys for fmt, keys in found.items() if keys}
+    if len(found) > 1:
+        mixed = " with ".join(f"{_FORMAT_NAMES[fmt]} fields ({', '.join(keys)})" for fmt, keys in found.items())
+        where.fail(None, f"mixes {mixed}", f"use one format per record: {FORMATS[kind]}")
+    if not found:
         keys = ", ".join(repr(k) for k in rec) or "none"
         where.fail(
             None,
             f"missing required fields (the record has: {keys})",
             f"a {kind!r} record must use one of the accepted formats: {FORMATS[kind]}",
         )
-    return "paddle" if has_paddle else "trl"
+    return next(iter(found))
 
 
 def _require(rec: dict, where: _Where, kind: str, fields: tuple[str, ...], fmt_name: str) -> None:
@@ -680,8 +778,12 @@ def _history(src: list[str], tgt: list[str], where: _Where) -> list[Message]:
     return messages
 
 
-def _paddle_prompt(rec: dict, where: _Where) -> list[Message]:
-    """Prompt for prm/pair records: src has exactly one turn more than tgt."""
+def _paddle_prompt(rec: dict, where: _Where, allow_none: bool = False) -> list[Message]:
+    """Prompt for prm/pair records: src has exactly one turn more than tgt.
+
+    ``allow_none`` (PRM): a single empty src turn with no tgt means there is no separate prompt, as in
+    PaddleNLP's Math-Shepherd conversion, where the question starts the first step; the prompt is [].
+    """
     src = _turns(rec["src"], "src", where)
     if not src:
         where.fail(
@@ -689,6 +791,15 @@ def _paddle_prompt(rec: dict, where: _Where) -> list[Message]:
         )
     tgt_value = rec.get("tgt")
     tgt = [] if tgt_value == "" else _turns(tgt_value, "tgt", where)
+    if allow_none and len(src) == 1 and not src[0].strip() and not tgt:
+        if _system(rec, where):
+            where.fail(
+                "system",
+                "is given but src is empty: without a prompt the text is the steps alone (the question at the "
+                "start of the first step)",
+                "put the question in src, or drop the system prompt",
+            )
+        return []
     if len(src) != len(tgt) + 1:
         where.fail(
             "tgt",
@@ -812,11 +923,76 @@ def _labels(value: Any, where: _Where, tokens: tuple[str, str], n_steps: int, st
     return out
 
 
+def _shepherd_steps(rec: dict, where: _Where, tokens: tuple[str, str], placeholder: str) -> tuple[list[str], list[str]]:
+    """Hugging Face Math-Shepherd row: steps are ``input`` split at the placeholder, each label is the
+    reward token standing at that placeholder's place in ``label`` (elsewhere the two texts are equal)."""
+    for field in ("input", "label"):
+        if not isinstance(rec[field], str):
+            where.fail(field, f"must be a string, got {_type_name(rec[field])}", "give the solution text")
+    text, marked = rec["input"], rec["label"]
+    pieces = text.split(placeholder)
+    if len(pieces) == 1:
+        where.fail(
+            "input",
+            f"has no placeholder {placeholder!r}, so no step to score",
+            f"end every step with {placeholder!r}, or set placeholder_token to the step mark your data uses",
+        )
+    if pieces[-1].strip():
+        where.fail(
+            "input",
+            f"has text after the last placeholder {placeholder!r} ({pieces[-1].strip()[:40]!r}), which no label covers",
+            f"end the last step with {placeholder!r} too",
+        )
+    fix = (
+        f"'label' must be 'input' with each {placeholder!r} replaced by {tokens[0]!r} (correct) or "
+        f"{tokens[1]!r} (wrong), or set reward_tokens to the marks your data uses"
+    )
+
+    def differs(pos: int, start: int, expected: str) -> NoReturn:
+        k = len(os.path.commonprefix([marked[pos : pos + len(expected)], expected]))
+        where.fail(
+            "label",
+            f"differs from 'input' outside the step marks at character {start + k} of input (input has "
+            f"{expected[k : k + 20]!r}, label has {marked[pos + k : pos + k + 20]!r})",
+            fix,
+        )
+
+    labels: list[str] = []
+    pos = start = 0  # in label, in input
+    for j, piece in enumerate(pieces[:-1]):
+        if not marked.startswith(piece, pos):
+            differs(pos, start, piece)
+        pos, start = pos + len(piece), start + len(piece) + len(placeholder)
+        # prefer the reward token that the next piece of text follows (one token may be a prefix of the other)
+        found = [t for t in tokens if marked.startswith(t, pos)]
+        found.sort(key=lambda t: not marked.startswith(pieces[j + 1], pos + len(t)))
+        if not found:
+            where.fail(
+                "label",
+                f"step {j}: at the place of its {placeholder!r} the label has {marked[pos : pos + 10]!r}, "
+                f"which does not start with a reward token {tokens[0]!r} or {tokens[1]!r}",
+                fix,
+            )
+        labels.append(found[0])
+        pos += len(found[0])
+    if marked[pos:] != pieces[-1]:
+        differs(pos, start, pieces[-1])
+    steps = [piece.strip() for piece in pieces[:-1]]
+    for j, step in enumerate(steps):
+        if not step:
+            where.fail("input", f"step {j} is empty (nothing before its {placeholder!r})", "remove the empty step")
+    return steps, labels
+
+
 def _parse_prm(rec: dict, where: _Where, tokens: tuple[str, str], placeholder: str) -> PRMRecord:
-    fmt = _pick_format(rec, where, "prm", ("src", "responses"), ("prompt", "completions"))
+    fmt = _pick_format(rec, where, "prm", ("src", "responses"), ("prompt", "completions"), ("input", "label"))
+    if fmt == "shepherd":
+        _require(rec, where, "prm", ("input", "label"), "Math-Shepherd")
+        steps, labels = _shepherd_steps(rec, where, tokens, placeholder)
+        return PRMRecord(prompt=[], steps=steps, labels=labels, source=where.path, index=where.index)
     if fmt == "paddle":
         _require(rec, where, "prm", ("src", "responses", "labels"), "PaddleNLP PRM")
-        prompt, steps_field = _paddle_prompt(rec, where), "responses"
+        prompt, steps_field = _paddle_prompt(rec, where, allow_none=True), "responses"
     else:
         _require(rec, where, "prm", ("prompt", "completions", "labels"), "TRL stepwise")
         prompt, steps_field = _trl_prompt(rec, where), "completions"

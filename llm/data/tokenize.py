@@ -15,16 +15,58 @@ from llm.utils.errors import UserError
 logger = logging.getLogger(__name__)
 
 
-def single_token_id(tokenizer: PreTrainedTokenizerBase, token: str, field: str) -> int:
-    """Id of ``token``; stops the run if the tokenizer splits it."""
+def single_token_id(
+    tokenizer: PreTrainedTokenizerBase,
+    token: str,
+    field: str,
+    fix: str = "choose a token from the vocabulary or add it to the tokenizer",
+) -> int:
+    """Id of ``token`` encoded alone; stops the run if the tokenizer splits it.
+
+    For the reward tokens this is the id Math-Shepherd reads out (``tokenizer.encode("+ -")[1:]``):
+    sentencepiece encodes a text with its leading "▁", so "+" alone is "▁+" (Mistral 648), as in "+ -".
+    """
     ids = tokenizer.encode(token, add_special_tokens=False)
     if len(ids) != 1:
         pieces = tokenizer.convert_ids_to_tokens(ids)
         raise UserError(
             f"{field}: {token!r} must be exactly one token, but the tokenizer splits it into {len(ids)}: {pieces}; "
-            "choose a token from the vocabulary or add it to the tokenizer"
+            f"{fix}"
         )
     return ids[0]
+
+
+def placeholder_token_id(tokenizer: PreTrainedTokenizerBase, placeholder: str, field: str) -> int:
+    """Id of the PRM step placeholder, which must be one token when encoded alone."""
+    return single_token_id(
+        tokenizer,
+        placeholder,
+        field,
+        fix="set add_placeholder_token: true to add it to the tokenizer as a new special token (the model gets "
+        "a new embedding row, learnt in training), or choose a placeholder that is one token (e.g. 'ки')",
+    )
+
+
+def add_placeholder_token(tokenizer: PreTrainedTokenizerBase, placeholder: str) -> bool:
+    """``add_placeholder_token``: make the placeholder one token by adding it as a special token.
+    True when it was added (the model's embeddings must then cover ``len(tokenizer)`` ids)."""
+    if len(tokenizer.encode(placeholder, add_special_tokens=False)) == 1:
+        logger.info("placeholder_token %r is already one token of the tokenizer: nothing added", placeholder)
+        return False
+    tokenizer.add_special_tokens({"extra_special_tokens": [placeholder]}, replace_extra_special_tokens=False)
+    logger.info(
+        "placeholder_token %r added to the tokenizer as special token id %d (len(tokenizer) = %d)",
+        placeholder,
+        placeholder_token_id(tokenizer, placeholder, "placeholder_token"),
+        len(tokenizer),
+    )
+    return True
+
+
+def start_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """What the tokenizer puts before a text: [BOS], or nothing (Qwen)."""
+    ids = tokenizer("")["input_ids"]
+    return ids[:1] if ids and ids[0] == tokenizer.bos_token_id else []
 
 
 def render_prompt(messages: list[dict], tokenizer: PreTrainedTokenizerBase, use_chat_template: bool) -> list[int]:
@@ -65,6 +107,43 @@ def prm_response_text(steps: list[str], placeholder: str) -> str:
     return PRM_JOIN.format(placeholder=placeholder).join(steps) + f" {placeholder}"
 
 
+def prm_response_ids(
+    tokenizer: PreTrainedTokenizerBase, steps: list[str], placeholder: str, placeholder_id: int
+) -> tuple[list[int], list[int]]:
+    """Token ids of ``prm_response_text(steps)``, built step by step, and the index of each step's placeholder.
+
+    Each step's text is tokenised and ``placeholder_id`` appended (as TRL's PRMTrainer appends separator
+    ids), so every step gets exactly one mark whatever the tokenizer does with the text around it:
+
+    - byte-level BPE (Qwen2, Llama-3): " ки" would be "Ġк", "и"; the space stays with the step's text and
+      the bare "ки" token follows;
+    - sentencepiece (Mistral, Llama-2): " ки" is one token "▁ки" (Mistral 12902), so the step is cut
+      before the space. A later step is tokenised as it stands in the joined text, right after the
+      placeholder (alone, sentencepiece would prepend "▁" to it), and that leading placeholder token is
+      dropped: the ids are those of encoding the joined text at once, Math-Shepherd's published input.
+    """
+    takes_space = tokenizer(f"{placeholder} {placeholder}", add_special_tokens=False)["input_ids"] == [
+        placeholder_id,
+        placeholder_id,
+    ]
+    end = "" if takes_space else " "
+    texts = [steps[0] + end] + [f"{placeholder}\n{step}{end}" for step in steps[1:]]
+    ids: list[int] = []
+    marks: list[int] = []
+    for k, piece in enumerate(tokenizer(texts, add_special_tokens=False)["input_ids"]):
+        if k:
+            if piece[:1] != [placeholder_id]:
+                raise UserError(
+                    f"placeholder_token {placeholder!r}: the tokenizer merges it with the newline after it "
+                    f"({tokenizer.convert_ids_to_tokens(piece[:3])}): choose a placeholder that stays one token"
+                )
+            piece = piece[1:]
+        ids += piece
+        marks.append(len(ids))
+        ids.append(placeholder_id)
+    return ids, marks
+
+
 def encode_prm(
     record,
     tokenizer: PreTrainedTokenizerBase,
@@ -77,18 +156,17 @@ def encode_prm(
 ) -> Example | None:
     """One solution -> causal example with a readout at every placeholder (target 0 '+', 1 '-').
 
+    A record without a separate prompt (Math-Shepherd layouts, the question starts the first step) is
+    ``[BOS] + ids(" ки\n".join(steps) + " ки")``, Math-Shepherd's ``tokenizer.encode(f"{question} {output}")``.
     Truncation cuts the response right after the last placeholder that fits, dropping the later
     steps *with* their labels, so no label ever moves onto another step.
     """
-    prompt = _fit_prompt(render_prompt(record.prompt, tokenizer, cfg.use_chat_template), cfg)
-    response = tokenizer(prm_response_text(record.steps, placeholder), add_special_tokens=False)["input_ids"]
-    marks = [i for i, t in enumerate(response) if t == placeholder_id]
-    if len(marks) != len(record.steps):
-        raise UserError(
-            f"{record.source}: record {record.index}: the response tokenises to {len(marks)} placeholder tokens "
-            f"for {len(record.steps)} steps (the tokenizer merges {placeholder!r} with its neighbours): "
-            "use a placeholder the tokenizer keeps as its own token"
-        )
+    if record.prompt:
+        full_prompt = render_prompt(record.prompt, tokenizer, cfg.use_chat_template)
+    else:
+        full_prompt = start_ids(tokenizer)
+    prompt = _fit_prompt(full_prompt, cfg)
+    response, marks = prm_response_ids(tokenizer, record.steps, placeholder, placeholder_id)
     targets = [reward_tokens.index(label) for label in record.labels]
     status = "ok"
     if prompt is None:
@@ -103,7 +181,7 @@ def encode_prm(
         last = keep[-1]
         response, marks, targets = response[: marks[last] + 1], marks[: last + 1], targets[: last + 1]
         status = "truncated"
-    elif len(prompt) < len(render_prompt(record.prompt, tokenizer, cfg.use_chat_template)):
+    elif len(prompt) < len(full_prompt):
         status = "truncated"
     counter[status] += 1
     offset = len(prompt)
