@@ -1,7 +1,10 @@
-"""PPO with four roles (actor, reference, critic, reward) from one MindSpeed-style JSON file.
+"""PPO with four roles (actor, reference, critic, reward) from one config file: JSON or YAML, in this project's
+layout or in MindSpeed-LLM's own (its configs/rlxf/ppo_trainer_*.yaml as they are; llm/alignment/ppo/mindspeed.py).
 
 python llm/run_ppo.py llm/config/tiny/ppo_argument.json [--section.field value ...]
 python llm/run_ppo.py llm/config/tiny/ppo_ray_argument.json      # roles in Ray actors (resource_pool)
+python llm/run_ppo.py configs/rlxf/ppo_trainer_llama32_1b.yaml   # a MindSpeed-LLM file (its model/*.yaml beside it)
+cd llm && python run_ppo.py config/tiny/ppo_argument.json        # relative paths: working directory, then repo root
 """
 
 import logging

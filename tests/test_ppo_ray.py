@@ -100,9 +100,9 @@ def runs(ray_cluster, tmp_path_factory):
         yield local, remote
 
 
-def assert_same_step(a: dict, b: dict) -> None:
+def assert_same_step(a: dict, b: dict, atol: float = 1e-6) -> None:
     for key in ("rewards", "advantages", "returns"):
-        torch.testing.assert_close(getattr(a["exp"], key), getattr(b["exp"], key), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(getattr(a["exp"], key), getattr(b["exp"], key), rtol=1e-5, atol=atol)
     for key in ("logprobs", "ref_logprobs", "values", "kl", "scores"):
         torch.testing.assert_close(getattr(a["exp"].scored, key), getattr(b["exp"].scored, key), rtol=1e-5, atol=1e-6)
     assert [(h["role"], h["epoch"]) for h in a["history"]] == [(h["role"], h["epoch"]) for h in b["history"]]

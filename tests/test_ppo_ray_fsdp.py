@@ -71,7 +71,10 @@ def test_fsdp2_group_gives_the_same_steps_as_one_process(runs):
     # Step 2 is sampled by the rollout copy from the weights gathered off the FSDP2 actor.
     responses = local["steps"][1]["exp"].scored.samples.response_ids
     assert remote["steps"][1]["exp"].scored.samples.response_ids == responses
-    assert_same_step(local["steps"][1], remote["steps"][1])
+    # After one update: FSDP2 sums the gradients over 2 ranks in another order than one process, and the
+    # whitened advantages of step 2 (values ~1) carry that fp32 rounding to ~1.4e-6 on some CPUs (measured
+    # 2026-12-01, 2 of 72 elements; the same at the previous commit): 2e-6 absolute, still ~10 ulp of 1.
+    assert_same_step(local["steps"][1], remote["steps"][1], atol=2e-6)
 
 
 def test_fsdp2_checkpoint_is_whole_and_loads_in_one_process(runs):

@@ -122,11 +122,14 @@ def _fit(value: Any, annotation: Any) -> Any:
     elif origin is list or annotation is list:
         if isinstance(value, list):
             (item,) = typing.get_args(annotation) or (Any,)
-            return [_fit(v, item) for v in value]
+            try:
+                return [_fit(v, item) for v in value]
+            except _Mismatch as err:
+                raise _Mismatch(f"a list, each item {err}") from None
     elif origin is dict or annotation is dict:
         if isinstance(value, dict):
             args = typing.get_args(annotation)
-            return {k: _fit(v, args[1]) for k, v in value.items()} if args else value
+            return {_fit(k, args[0]): _fit(v, args[1]) for k, v in value.items()} if args else value
     elif dataclasses.is_dataclass(annotation):
         if isinstance(value, (dict, annotation)):
             return value
@@ -162,7 +165,8 @@ def _fits(value: Any, annotation: Any) -> bool:
 def parse_text(text: str, annotation: Any, where: str) -> Any:
     """A command-line value (text) parsed by the field's type, strictly."""
     members = [m for m in _members(annotation) if m is not _NONE]
-    if text.lower() in ("null", "none") and len(members) < len(_members(annotation)):
+    # only "null" is null: "none" is a value of its own for some fields (report_to none)
+    if text == "null" and len(members) < len(_members(annotation)):
         return None
     if bool in members and text.lower() in ("true", "false"):
         return text.lower() == "true"

@@ -36,6 +36,7 @@ from llm.data.tokenize import single_token_id
 from llm.utils.distributed import Layout
 from llm.utils.errors import UserError
 from llm.utils.modeling import load_model, load_tokenizer
+from llm.utils.paths import resolve_paths
 
 logger = logging.getLogger(__name__)
 
@@ -65,14 +66,14 @@ def _optim(c: PPOConfig, model, role: str, place: Place) -> TrainableRole:
         else:
             logger.info("training.adam_offload: %s keeps its AdamW state (fp32 master + moments) on the host", role)
             cls = OffloadedTrainableRole
-    return cls(
+    return cls(  # each setting: the role's own value, else training's
         model,
         c.lr(role),
-        t.weight_decay,
-        (t.adam_beta1, t.adam_beta2),
-        t.adam_epsilon,
-        t.max_grad_norm,
-        t.lr_warmup_steps,
+        c.optim(role, "weight_decay"),
+        (c.optim(role, "adam_beta1"), c.optim(role, "adam_beta2")),
+        c.optim(role, "adam_epsilon"),
+        c.optim(role, "max_grad_norm"),
+        c.optim(role, "lr_warmup_steps"),
     )
 
 
@@ -147,7 +148,7 @@ def _sum_gradients(model) -> None:
 
 
 def build_reward(c: PPOConfig, place: Place) -> RewardFunction:
-    r, micro = c.reward, c.training.micro_batch_size
+    r, micro = c.reward, c.micro("reward")
     if r.type == "rule":
         return RuleReward(r.rule)
     if r.type == "http":
@@ -204,7 +205,7 @@ def value_update(c: PPOConfig) -> ValueUpdate:
 def build_actor(c: PPOConfig, place: Place) -> ActorRole:
     a, tok = c.actor_rollout, actor_tokenizer(c)
     model = _load(c, AutoModelForCausalLM, a.model_name_or_path, a.init_from_config, tok, place, True)
-    micro = c.training.micro_batch_size
+    micro = c.micro("actor_rollout")
     optim = _optim(c, model, "actor_rollout", place)
     return ActorRole(model, tok, a.temperature, micro, optim, policy_update(c), a.gather_weights_for_generation)
 
@@ -220,7 +221,7 @@ def build_ref(c: PPOConfig, place: Place) -> PolicyModel:
         and model.config.vocab_size != AutoConfig.from_pretrained(a.model_name_or_path).vocab_size
     ):
         raise UserError("ref and actor_rollout models have different vocabularies: the reference must be the SFT model")
-    ref = PolicyModel(model, tok, a.temperature, c.training.micro_batch_size)
+    ref = PolicyModel(model, tok, a.temperature, c.micro("ref"))
     return _offload_idle(c, ref, model, "ref", place, ("log_probs",))
 
 
@@ -228,12 +229,12 @@ def build_rollout(c: PPOConfig, place: Place) -> PolicyModel:
     """A generation copy of the actor: the actor's initial weights, then whatever ``sync_from`` sends."""
     a, tok = c.actor_rollout, actor_tokenizer(c)
     model = _load(c, AutoModelForCausalLM, a.model_name_or_path, a.init_from_config, tok, place, False)
-    return PolicyModel(model, tok, a.temperature, c.training.micro_batch_size, a.gather_weights_for_generation)
+    return PolicyModel(model, tok, a.temperature, c.micro("rollout"), a.gather_weights_for_generation)
 
 
 def build_critic(c: PPOConfig, place: Place) -> CriticRole:
     """Initialised from the reward model when it is an ORM (its backbone and head), else from the actor."""
-    t, tok = c.training, actor_tokenizer(c)
+    tok = actor_tokenizer(c)
     if c.critic.model_name_or_path:
         path, from_config = c.critic.model_name_or_path, c.critic.init_from_config
     elif c.reward.type == "orm":
@@ -241,7 +242,7 @@ def build_critic(c: PPOConfig, place: Place) -> CriticRole:
     else:
         path, from_config = c.actor_rollout.model_name_or_path, c.actor_rollout.init_from_config
     model = _load(c, AutoModelForSequenceClassification, path, from_config, tok, place, True, num_labels=1)
-    return CriticRole(model, tok, t.micro_batch_size, _optim(c, model, "critic", place), value_update(c))
+    return CriticRole(model, tok, c.micro("critic"), _optim(c, model, "critic", place), value_update(c))
 
 
 BUILDERS = {
@@ -281,10 +282,14 @@ def placed_roles(c: PPOConfig) -> Iterator[dict]:
         yield roles
 
 
-def load_prompts(c: PPOConfig) -> list[Prompt]:
-    """The prompt file tokenised with the actor's tokenizer; a bad record stops the run before any model loads."""
-    t = c.training
-    records = list(load_dataset_records(c.data.train_dataset_path, "prompt", probs=c.data.dataset_probs, seed=t.seed))
+def load_prompts(c: PPOConfig, map_keys: dict[str, str] | None = None) -> list[Prompt]:
+    """The prompt file tokenised with the actor's tokenizer; a bad record stops the run before any model loads.
+    ``map_keys`` (default ``data.map_keys``) renames the records' columns as they are read (``llm.data.readers``).
+    A missing prompt file stops here, naming the directories it was looked for in."""
+    t, d = c.training, c.data
+    paths = resolve_paths(d.train_dataset_path, "data.train_dataset_path", c.source or "config")
+    keys = d.map_keys if map_keys is None else map_keys
+    records = list(load_dataset_records(paths, "prompt", probs=d.dataset_probs, seed=t.seed, map_keys=keys))
     return prompts_from_records(
         records, actor_tokenizer(c), c.actor_rollout.max_prompt_length, c.data.use_chat_template
     )
@@ -293,15 +298,22 @@ def load_prompts(c: PPOConfig) -> list[Prompt]:
 def trainer_for_models(c: PPOConfig, prompts: list[Prompt], tok, policy, ref, critic, reward) -> PPOTrainer:
     """A trainer in this process over four models already in memory (tests, benchmarks): the same roles,
     optimizers and update settings that ``build_role`` makes from checkpoints, with an ORM reward."""
-    a, micro, place = c.actor_rollout, c.training.micro_batch_size, Place()
+    a, micro, place = c.actor_rollout, c.micro, Place()
     return PPOTrainer(
         c,
         prompts,
         tok,
-        ActorRole(policy, tok, a.temperature, micro, _optim(c, policy, "actor_rollout", place), policy_update(c)),
-        ORMReward(reward.eval(), tok, tok, micro),
-        PolicyModel(ref.eval(), tok, a.temperature, micro),
-        CriticRole(critic, tok, micro, _optim(c, critic, "critic", place), value_update(c)),
+        ActorRole(
+            policy,
+            tok,
+            a.temperature,
+            micro("actor_rollout"),
+            _optim(c, policy, "actor_rollout", place),
+            policy_update(c),
+        ),
+        ORMReward(reward.eval(), tok, tok, micro("reward")),
+        PolicyModel(ref.eval(), tok, a.temperature, micro("ref")),
+        CriticRole(critic, tok, micro("critic"), _optim(c, critic, "critic", place), value_update(c)),
     )
 
 

@@ -49,10 +49,11 @@ from llm.alignment.lm import full_weight, readout_hidden
 from llm.alignment.ppo.algorithm import kl_estimate, policy_loss, value_loss
 from llm.alignment.rm.loss import step_scores
 from llm.data.packing import causal_example, collate, pack
-from llm.data.tokenize import prm_response_text
+from llm.data.tokenize import prm_response_ids
 from llm.utils.attention import PACKED_SDPA
 from llm.utils.distributed import most_over_ranks, share, sum_over_ranks, with_spares
 from llm.utils.errors import UserError
+from llm.utils.precision import MasterWeightAdamW
 
 
 class RoleFailure(UserError):
@@ -122,8 +123,10 @@ def _chunks(items: list[int], size: int) -> list[list[int]]:
 
 def _linear(layer: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     """``layer(hidden)`` for a head applied outside the model's forward, where an FSDP2-sharded weight is
-    a DTensor: gathered (differentiably) to one tensor first. The same op as ``layer(hidden)`` otherwise."""
-    return F.linear(hidden, full_weight(layer.weight), full_weight(layer.bias))
+    a DTensor: gathered (differentiably) to one tensor first. The same op as ``layer(hidden)`` otherwise:
+    in the weight's dtype (bf16 with ``training.bf16``; callers upcast the output to fp32)."""
+    weight = full_weight(layer.weight)
+    return F.linear(hidden.to(weight.dtype), weight, full_weight(layer.bias))
 
 
 def _sharded() -> bool:
@@ -307,6 +310,9 @@ class PolicyModel:
         for i, p in enumerate(prompt_ids):  # left padding: generation continues from the last column
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
+        if not do_sample and num_samples > 1:  # greedy: HF returns one sequence per row, so repeat the rows
+            ids, mask = ids.repeat_interleave(num_samples, 0), mask.repeat_interleave(num_samples, 0)
+            num_samples = 1
         device = self.model.device
         was_training = self.model.training
         self.model.eval()
@@ -454,7 +460,8 @@ class UpdateStats:
 
 
 class TrainableRole:
-    """Owns a model's optimizer and LR schedule; ``step`` applies accumulated gradients."""
+    """Owns a model's optimizer and LR schedule; ``step`` applies accumulated gradients. AdamW keeps fp32
+    master weights of bf16 ones (``training.bf16``, ``llm.utils.precision``)."""
 
     def __init__(
         self,
@@ -467,7 +474,7 @@ class TrainableRole:
         warmup_steps: int,
     ) -> None:
         self.model = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.optimizer = MasterWeightAdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda n: min(1.0, (n + 1) / warmup_steps) if warmup_steps else 1.0
         )
@@ -844,9 +851,9 @@ class PRMReward(RewardFunction):
         for i, (prompt, text) in enumerate(zip(samples.prompts, samples.responses)):
             steps = [text[s:e].strip() for s, e in spans[i]] or [text.strip() or "(empty)"]
             p = self.tokenizer(prompt)["input_ids"]
-            r = self.tokenizer(prm_response_text(steps, self.placeholder), add_special_tokens=False)["input_ids"]
-            marks = [len(p) + k for k, t in enumerate(r) if t == self.placeholder_id]
-            examples.append(causal_example(p + r, marks, [0] * len(marks), record=i))
+            # token level, as in PRM training: exactly one placeholder id per step, whatever the tokenizer
+            r, marks = prm_response_ids(self.tokenizer, steps, self.placeholder, self.placeholder_id)
+            examples.append(causal_example(p + r, [len(p) + m for m in marks], [0] * len(marks), record=i))
         per_sample: list[list[float]] = [[] for _ in range(len(samples))]
         head = self.model.get_output_embeddings()
         self.samples_seen += len(samples)

@@ -170,7 +170,8 @@ class PPOTrainer:
         while len(out) < size:
             epoch, offset = divmod(position, n)
             order = list(range(n))
-            random.Random(self.c.training.seed + epoch).shuffle(order)
+            if self.c.data.shuffle:  # false: in file order (MindSpeed's no_shuffle)
+                random.Random(self.c.training.seed + epoch).shuffle(order)
             take = min(size - len(out), n - offset)
             out += order[offset : offset + take]
             position += take
