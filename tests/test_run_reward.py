@@ -217,6 +217,48 @@ def test_cli_process_exit_code_and_message(tmp_path):
     assert "unknown key 'learnig_rate'" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
+def test_paddle_launch_form_from_the_llm_directory(tmp_path):
+    # PaddleNLP's habit: cd llm && python run_reward.py config/tiny/prm_argument.json; the bundled config's
+    # paths are relative to the repository root and are found from there.
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "run_reward.py",
+            "config/tiny/prm_argument.json",
+            "--max_steps",
+            "1",
+            "--do_eval",
+            "false",
+            "--report_to",
+            "none",
+            "--output_dir",
+            str(tmp_path / "out"),
+        ],
+        cwd=os.path.join(ROOT, "llm"),
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert read_json(tmp_path / "out" / "trainer_state.json")["global_step"] == 1
+    # a missing relative path names both places it was looked for
+    proc = subprocess.run(
+        [sys.executable, "run_reward.py", "config/tiny/prm_argument.json", "--train_dataset_path", "no/such.jsonl"],
+        cwd=os.path.join(ROOT, "llm"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert (
+        os.path.join(ROOT, "llm", "no/such.jsonl") in proc.stderr and os.path.join(ROOT, "no/such.jsonl") in proc.stderr
+    )
+
+
 def test_torchrun_two_processes_equal_one_process_double_batch(tmp_path):
     train = small_split(tmp_path, "prm_train.jsonl", 48)
     # 7 dev solutions in batches of 2 on 2 ranks: the sampler repeats some; each must count once.
@@ -313,6 +355,24 @@ def test_lazy_streaming_run(tmp_path):
     main([config(tmp_path, lazy=True, max_steps=4, do_eval=False, zero_padding=True, greedy_zero_padding=False)])
     state = read_json(out / "trainer_state.json")
     assert state["global_step"] == 4 and all(math.isfinite(x) for x in train_losses(out))
+
+
+def test_lazy_stream_shorter_than_one_optimizer_step_trains(tmp_path):
+    # 2 solutions pack into one row, fewer than gradient_accumulation_steps: the stream is read again from its
+    # start (each pass logged), so 4 micro-batches make each of the 3 steps; it used to re-read forever.
+    out = tmp_path / "out"
+    train = small_split(tmp_path, "prm_train.jsonl", 2)
+    cfg = config(
+        tmp_path,
+        train_dataset_path=train,
+        lazy=True,
+        max_steps=3,
+        gradient_accumulation_steps=4,
+        do_eval=False,
+        zero_padding=True,
+    )
+    main([cfg])
+    assert read_json(out / "trainer_state.json")["global_step"] == 3
 
 
 def test_lazy_without_max_steps_is_refused(tmp_path, capsys):
