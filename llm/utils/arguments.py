@@ -18,7 +18,7 @@ import transformers
 
 from llm.utils.distributed import Layout, has_accelerator, parse_layout
 from llm.utils.errors import UserError, closest
-from llm.utils.fields import build, init_fields, parse_text, type_hints
+from llm.utils.fields import build, command_line_pairs, init_fields, parse_text, type_hints
 from llm.utils.paddle_names import PADDLE_NAMES, translate
 from llm.utils.paths import resolve_input_path, resolve_paths, tried
 
@@ -328,27 +328,17 @@ def _paddle_text(text: str) -> Any:
 def parse_command_line(cli: list[str], annotations: dict[str, Any], paddle: Mapping[str, Any]) -> dict[str, Any]:
     """``--field value`` / ``--field=value`` pairs, each parsed by its field's type; a bare boolean flag
     (``--do_train``) means true. PaddleNLP's names (``--max_length``) are accepted as in files."""
+
+    def bare(name: str) -> str | None:
+        return "true" if annotations.get(name) is bool else None
+
     values: dict[str, Any] = {}
-    i = 0
-    while i < len(cli):
-        token = cli[i]
-        if not token.startswith("--") or len(token) == 2:
-            raise UserError(f"command line: expected --field value, got {token!r}")
-        name, eq, text = token[2:].partition("=")
+    for name, text in command_line_pairs(cli, bare):
         if name not in annotations and name not in paddle:
             raise UserError(f"command line: unknown option --{name}; closest valid names: {closest(name, annotations)}")
         annotation = annotations.get(name, Any)
-        if not eq:
-            following = cli[i + 1] if i + 1 < len(cli) else None
-            if following is None or (following.startswith("--") and len(following) > 2):
-                if annotation is not bool:
-                    raise UserError(f"command line: --{name} needs a value")
-                text = "true"
-            else:
-                text, i = following, i + 1
         where = f"command line: --{name}"
         values[name] = _paddle_text(text) if annotation is Any else parse_text(text, annotation, where)
-        i += 1
     return values
 
 

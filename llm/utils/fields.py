@@ -16,7 +16,7 @@ import json
 import math
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from llm.utils.errors import UserError, closest
@@ -190,6 +190,27 @@ def parse_text(text: str, annotation: Any, where: str) -> Any:
     if any(typing.get_origin(m) is typing.Literal for m in members):
         return check_value(text, annotation, where)
     raise UserError(f"{where} must be {describe(annotation)}, got {text!r}")
+
+
+def command_line_pairs(cli: list[str], bare: Callable[[str], str | None]) -> Iterator[tuple[str, str]]:
+    """``--name value`` / ``--name=value`` tokens as ``(name, text)``. A flag followed by nothing or by another
+    flag takes ``bare(name)`` (``"true"`` for a boolean; None: it needs a value)."""
+    i = 0
+    while i < len(cli):
+        token = cli[i]
+        if not token.startswith("--") or len(token) == 2:
+            raise UserError(f"command line: expected --field value, got {token!r}")
+        name, eq, text = token[2:].partition("=")
+        if not eq:
+            following = cli[i + 1] if i + 1 < len(cli) else None
+            if following is None or (following.startswith("--") and len(following) > 2):
+                text = bare(name)
+                if text is None:
+                    raise UserError(f"command line: --{name} needs a value")
+            else:
+                text, i = following, i + 1
+        yield name, text
+        i += 1
 
 
 def check_bounds(name: str, value: Any, bounds: Mapping[str, float], where: str) -> None:

@@ -404,17 +404,7 @@ def _section(cls: type, values: Any, path: str, name: str) -> Any:
 def apply_command_line(raw: dict, cli: list[str]) -> None:
     """``--section.field value`` / ``--section.field=value`` pairs into ``raw``, each parsed by the field's
     type (``fields.parse_text``); ``--field`` alone names a ``training`` field."""
-    i = 0
-    while i < len(cli):
-        token = cli[i]
-        if not token.startswith("--") or len(token) == 2:
-            raise UserError(f"command line: expected --section.field value, got {token!r}")
-        name, eq, text = token[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(cli):
-                raise UserError(f"command line: --{name} needs a value")
-            text, i = cli[i + 1], i + 1
-        i += 1
+    for name, text in fields.command_line_pairs(cli, lambda name: None):
         section, _, key = name.rpartition(".")
         section = section or "training"
         top, *subs = section.split(".")
