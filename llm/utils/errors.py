@@ -18,9 +18,20 @@ def closest(name: str, candidates: Iterable[str], n: int = 3) -> str:
 
 
 def run_cli(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> None:
-    """Run an entry point; a UserError prints its message and exits with status 2."""
+    """Run an entry point; a UserError prints its message and exits with status 2. A finished distributed run
+    meets at a barrier and closes its process group: a rank that exits while another still holds gloo
+    connections to it can make that one abort at interpreter exit (SIGABRT, seen under load in CI)."""
     try:
         main(argv)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
+    close_process_group()
+
+
+def close_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
