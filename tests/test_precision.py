@@ -58,7 +58,6 @@ TINY_PRM = os.path.join(ROOT, "llm", "assets", "tiny-prm")
 U = 2.0**-8  # bf16 unit roundoff
 LOSS_TOL = 2 * 3.5 * U * 1.0  # 2 x sqrt(12) u x L with L = 1: see the module docstring
 PRECISIONS = {"fp32": {}, "O1": {"bf16": True, "fp16_opt_level": "O1"}, "O2": {"bf16": True, "fp16_opt_level": "O2"}}
-FP16_O1 = {"fp16": True, "fp16_opt_level": "O1"}  # CUDA only
 
 
 def training_args(tmp_path, precision: str, **kw) -> TrainingArguments:
@@ -75,7 +74,7 @@ def training_args(tmp_path, precision: str, **kw) -> TrainingArguments:
         "warmup_steps": 0,
         "seed": 0,
         "dataloader_num_workers": 0,
-        **(FP16_O1 if precision == "fp16_O1" else PRECISIONS[precision]),
+        **PRECISIONS.get(precision, {}),
     }
     base.update(kw)
     return TrainingArguments(**base)
@@ -184,26 +183,107 @@ def test_sft_bf16_o1_o2_close_to_fp32_in_training_and_evaluation_only(tmp_path):
     compare(evals, LOSS_TOL)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 needs CUDA; not run yet: no GPU so far")
-def test_sft_fp16_o1_first_loss_close_to_fp32_on_cuda(tmp_path):
-    """fp16 O1: fp32 weights, fp16 autocast, accelerate's GradScaler. fp16 keeps 11 significant bits
-    (u = 2^-11): the bound of the module docstring with that u. Only step 1 is compared: the scaler's first
-    steps may overflow at its initial scale 65536 and be skipped, which fp32 has no equivalent of."""
+FP16 = {"fp16_O1": {"fp16": True, "fp16_opt_level": "O1"}, "fp16_O2": {"fp16": True, "fp16_opt_level": "O2"}}
+U16 = 2.0**-11  # fp16 unit roundoff
+
+
+def test_sft_fp16_o1_o2_close_to_fp32_with_loss_scaling_on_cpu(tmp_path):
+    """fp16 O1 (fp32 weights) and O2 (fp16 weights, fp32 masters), fp16 autocast and our LossScaler, on a CPU.
+    fp16 keeps 11 significant bits (u = 2^-11): the module docstring's bound with that u, 2 x 3.5 u x L. The
+    scale starts at 2^16; these small gradients times 2^16 stay finite, so no step is skipped and all three
+    steps compare. The scale sits in the optimizer's param groups."""
     tok = tokenizer()
     cfg = EncodeConfig(512, 128)
     examples = [encode_sft(r, tok, cfg, i, OverlongCounter()) for i, r in enumerate(records(SFT_TRAIN, "sft", 12))]
     rows, _ = pack(examples, 512, "greedy")
     runs = {}
-    for precision in ("fp32", "fp16_O1"):
-        args = training_args(tmp_path, precision)
+    for precision in ("fp32", *FP16):
+        args = training_args(tmp_path, precision, **FP16.get(precision, {}))
         model = load_causal_lm(TINY_LLAMA, args, tok, init_from_config=True)
         trainer = SFTTrainer(
             model=model, args=args, train_dataset=rows, data_collator=lambda r: collate(r, pad_token_id=0)
         )
         trainer.train()
         runs[precision] = losses(trainer)
-    assert all(math.isfinite(x) for x in runs["fp16_O1"]) and len(runs["fp16_O1"]) == 3
-    assert 0 < abs(runs["fp16_O1"][0] - runs["fp32"][0]) <= 2 * 3.5 * 2.0**-11
+        if precision == "fp32":
+            continue
+        optimizer = trainer._raw_optimizer()
+        assert {p.dtype for p in trainer.model.parameters()} == {
+            torch.float16 if precision == "fp16_O2" else torch.float32
+        }
+        assert optimizer.param_groups[0]["loss_scale"] == 2.0**16
+        assert optimizer.param_groups[0]["loss_scale_good_steps"] == 3  # three finite steps, none skipped
+        if precision == "fp16_O2":
+            for p in trainer.model.parameters():
+                assert torch.equal(p, optimizer.state[p]["master"].to(torch.float16))
+    for precision in FP16:
+        got = runs[precision]
+        assert len(got) == 3 and all(math.isfinite(x) for x in got), got
+        diff = max(abs(a - b) for a, b in zip(got, runs["fp32"]))
+        assert 0 < diff <= 2 * 3.5 * U16, (precision, got, runs["fp32"])
+
+
+def _fp16_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1)).half()
+
+
+def test_loss_scaler_unscales_into_fp32_masters_clips_and_matches_fp32_adamw():
+    """One fp16 step through LossScaler + MasterWeightAdamW equals torch's AdamW on fp32 copies of the weights
+    given the same (unscaled, clipped) fp32 gradients: the scale is divided out exactly (a power of two), the
+    norm is the fp32 norm of the unscaled gradients, clipping multiplies them by max_norm / norm."""
+    from llm.utils.precision import LossScaler
+
+    model = _fp16_model(0)
+    ref = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
+    opt = MasterWeightAdamW(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.AdamW(ref, lr=0.1)
+    scaler = LossScaler(init_scale=2.0**10)
+    scaler.bind(opt)
+    x = torch.randn(8, 4).half()
+    loss = model(x).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    grads = [p.grad.float() / 2.0**10 for p in model.parameters()]  # exact: dividing by a power of two
+    norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+    got = scaler.unscale_and_clip(opt, max_norm=float(norm) / 2)
+    assert float(got) == pytest.approx(float(norm), rel=1e-6)
+    for p, g in zip(model.parameters(), grads):
+        assert opt.master_grads[p].dtype == torch.float32
+        torch.testing.assert_close(opt.master_grads[p], g * (float(norm) / 2) / (float(norm) + 1e-6))
+    for r, g in zip(ref, grads):
+        r.grad = g * (float(norm) / 2) / (float(norm) + 1e-6)
+    scaler.step(opt)
+    scaler.update()
+    ref_opt.step()
+    for p, r in zip(model.parameters(), ref):
+        torch.testing.assert_close(opt.state[p]["master"], r.detach(), rtol=0, atol=1e-7)
+        assert torch.equal(p, r.detach().half())
+    assert opt.param_groups[0]["loss_scale"] == 2.0**10 and opt.param_groups[0]["loss_scale_good_steps"] == 1
+
+
+def test_loss_scaler_skips_an_overflowing_step_halves_the_scale_and_grows_after_the_interval():
+    from llm.utils.precision import LossScaler
+
+    model = _fp16_model(1)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = MasterWeightAdamW(model.parameters(), lr=0.1)
+    scaler = LossScaler(init_scale=2.0**15, growth_interval=2)
+    scaler.bind(opt)
+    loss = model(torch.full((2, 4), 100.0).half()).float().sum() * 1e3  # x 2^15: beyond fp16's 65504
+    scaler.scale(loss).backward()
+    assert not math.isfinite(float(scaler.unscale_and_clip(opt, 1.0)))
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing moved
+    assert opt.state == {} or all("master" not in s for s in opt.state.values())  # no AdamW state either
+    assert opt.param_groups[0]["loss_scale"] == 2.0**14
+    for expected in (2.0**14, 2.0**15):  # two finite steps: the scale doubles after the second
+        model.zero_grad()
+        scaler.scale(model(torch.randn(2, 4).half()).float().sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        assert opt.param_groups[0]["loss_scale"] == expected
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 # --- DPO ----------------------------------------------------------------------------------------------
@@ -264,6 +344,35 @@ def test_o2_resume_keeps_the_fp32_masters(tmp_path):
     for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(a, b), name
     check_weights_and_optimizer(resumed, "O2")
+
+
+def test_fp16_o2_resume_keeps_the_loss_scale_state(tmp_path):
+    """The loss scaler's state rides in the optimizer's param groups: resumed at checkpoint-2 of 4, the run
+    ends with 4 finite steps counted (2 restored + 2), not 2, and the same losses and weights."""
+    tok = tokenizer()
+    examples = [
+        encode_sft(r, tok, EncodeConfig(512, 128), i, OverlongCounter())
+        for i, r in enumerate(records(SFT_TRAIN, "sft", 12))
+    ]
+    rows, _ = pack(examples, 512, "greedy")
+
+    def run(out, resume=None):
+        args = training_args(tmp_path, "fp32", output_dir=str(out), max_steps=4, **FP16["fp16_O2"])
+        args.save_strategy, args.save_steps = "steps", 2
+        model = load_causal_lm(TINY_LLAMA, args, tok, init_from_config=True)
+        trainer = SFTTrainer(
+            model=model, args=args, train_dataset=rows, data_collator=lambda r: collate(r, pad_token_id=0)
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run(tmp_path / "full")
+    resumed = run(tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoint-2"))
+    assert losses(resumed)[2:] == losses(full)[2:]
+    for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b), name
+    group = resumed._raw_optimizer().param_groups[0]
+    assert (group["loss_scale"], group["loss_scale_good_steps"]) == (2.0**16, 4)
 
 
 # --- PPO ----------------------------------------------------------------------------------------------
@@ -384,8 +493,10 @@ def test_bf16_checkpoints_move_between_plain_and_offloaded_roles_with_their_mast
             assert torch.equal(a, b), name
 
 
-def test_fp16_o2_stops_with_a_message(tmp_path):
-    args = training_args(tmp_path, "fp32")
-    args.fp16, args.fp16_opt_level = True, "O2"  # set after construction: HF refuses fp16 without CUDA
-    with pytest.raises(UserError, match="GradScaler"):
-        weights_dtype(args)
+def test_fp16_o2_needs_adamw(tmp_path):
+    from llm.utils.arguments import DataArgument, validate_arguments
+
+    args = training_args(tmp_path, "fp32", fp16=True, fp16_opt_level="O2", optim="sgd")
+    assert weights_dtype(args) == torch.float16
+    with pytest.raises(UserError, match="needs AdamW"):
+        validate_arguments(ModelArgument(model_name_or_path=TINY_LLAMA), DataArgument(), args)

@@ -104,11 +104,7 @@ def weights_dtype(training_args: TrainingArguments) -> torch.dtype:
     if training_args.fp16_opt_level != "O2":
         return torch.float32
     if training_args.fp16:
-        # accelerate's fp16 runs need a GradScaler, and GradScaler.unscale_ refuses fp16 gradients
-        raise UserError(
-            "fp16_opt_level 'O2' with fp16: torch's GradScaler cannot unscale fp16 gradients; "
-            "use bf16 (O1 or O2), or fp16 with O1 (fp32 weights, fp16 autocast)"
-        )
+        return torch.float16
     return torch.bfloat16
 
 

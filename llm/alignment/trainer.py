@@ -41,7 +41,7 @@ from llm.utils.distributed import (
     tensor_parallel_on_cpu,
 )
 from llm.utils.errors import UserError
-from llm.utils.precision import MasterWeightAdamW
+from llm.utils.precision import LossScaler, MasterWeightAdamW
 from llm.utils.preemption import SaveOnSignal
 
 logger = logging.getLogger(__name__)
@@ -131,6 +131,29 @@ class AlignmentTrainer(Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         with tensor_parallel_on_cpu(self.layout):
             super().create_accelerator_and_postprocess()
+        self.loss_scaler: LossScaler | None = None
+        if self.args.fp16:
+            # Our fp16 loss scaling (llm.utils.precision) in place of accelerate's GradScaler, which needs CUDA and
+            # refuses O2's fp16 gradients; the fp16 autocast on every device (accelerate turns it off on a CPU).
+            self.loss_scaler = LossScaler()
+            self.accelerator.scaler = self.loss_scaler
+            self.accelerator.native_amp = True
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        if self.loss_scaler is not None:
+            self.loss_scaler.bind(self._raw_optimizer())
+        return optimizer
+
+    def _clip_grad_norm(self, model):
+        if self.loss_scaler is None:
+            return super()._clip_grad_norm(model)
+        return self.loss_scaler.unscale_and_clip(self._raw_optimizer(), self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if self.loss_scaler is None:
+            return super()._get_grad_norm(model, grad_norm)
+        return self.loss_scaler.unscale_and_clip(self._raw_optimizer(), 0.0) if grad_norm is None else grad_norm
 
     def compute_loss_context_manager(self) -> contextlib.ExitStack:
         # accelerate autocasts only the forward of the model it prepared, and only once training starts:

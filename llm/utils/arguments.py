@@ -139,9 +139,8 @@ class TrainingArguments(transformers.TrainingArguments):
     fp16_opt_level: str = field(
         default="O1",
         metadata={
-            "help": "O1: fp32 weights, bf16/fp16 autocast; O2: bf16 weights, the same autocast, AdamW on fp32 "
-            "master weights (llm/utils/precision.py); fp16 with O2 is refused (GradScaler cannot unscale fp16 "
-            "gradients)."
+            "help": "O1: fp32 weights, bf16/fp16 autocast; O2: bf16/fp16 weights, the same autocast, AdamW on fp32 "
+            "master weights; fp16 adds dynamic loss scaling (llm/utils/precision.py)."
         },
     )
     tensor_parallel_degree: int = field(
@@ -237,13 +236,12 @@ def validate_arguments(model_args: ModelArgument, data_args: DataArgument, train
             raise UserError("use_flash_attention: flash-attn is not installed; pip install flash-attn or set it false")
     if training_args.fp16_opt_level == "O2" and not (training_args.bf16 or training_args.fp16):
         raise UserError("fp16_opt_level 'O2' (half-precision weights) needs bf16 or fp16 set to true")
-    if training_args.fp16_opt_level == "O2" and training_args.fp16:
+    optim = str(getattr(training_args.optim, "value", training_args.optim))
+    if training_args.fp16 and training_args.fp16_opt_level == "O2" and not optim.startswith("adamw_torch"):
         raise UserError(
-            "fp16_opt_level 'O2' with fp16: torch's GradScaler cannot unscale fp16 gradients; use bf16 (O1 or O2), "
-            "or fp16 with O1 (fp32 weights, fp16 autocast)"
+            f"fp16_opt_level 'O2' with fp16 needs AdamW (optim adamw_torch or adamw_torch_fused) for its fp32 "
+            f"master weights; optim={optim!r} would step on the fp16 weights. Use bf16, or O1"
         )
-    if training_args.fp16 and not torch.cuda.is_available():
-        raise UserError("fp16 needs a CUDA device; on CPU use bf16 instead")
     layout = training_args.layout  # validates sharding / degrees against the world size
     if layout.tp > 1 and data_args.lazy:
         raise UserError(

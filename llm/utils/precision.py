@@ -6,16 +6,22 @@ models, SFT, DPO):
 - ``O1``: fp32 weights; the loss computation runs under ``torch.autocast`` to bf16/fp16
   (``AlignmentTrainer.compute_loss_context_manager``, the autocast accelerate also wraps the prepared
   model's forward in): matmuls in half precision, the optimizer steps on the fp32 weights.
-- ``O2``: the weights themselves in bf16 (half the weight memory, bf16 gradients), the same autocast,
-  and AdamW on fp32 master copies (``MasterWeightAdamW``): each step updates the fp32 master and rounds
-  it into the bf16 weight, as PaddleNLP's O2 (multi-precision AdamW) does. transformers' ``Trainer``
-  alone would step torch's AdamW on the bf16 weights (bf16 moments too), where an update below half a
-  bf16 spacing of its weight (2^-9 to 2^-8 of it: lr 3e-6 against 6e-5 for a weight of 0.02) rounds
-  away. Gradients are bf16 and accumulate in bf16 over micro-batches (Paddle's ``main_grad`` fp32
-  accumulation is not implemented). Master weights need AdamW (``optim`` ``adamw_torch`` /
-  ``adamw_torch_fused``, the default); any other ``optim`` steps on the bf16 weights themselves (warned).
-  fp16 with O2 stops at start-up (``weights_dtype``): accelerate's fp16 runs use torch's ``GradScaler``,
-  whose ``unscale_`` refuses fp16 gradients. fp16 (CUDA only) has not run in this project yet.
+- ``O2``: the weights themselves in bf16/fp16 (half the weight memory, half-precision gradients), the
+  same autocast, and AdamW on fp32 master copies (``MasterWeightAdamW``): each step updates the fp32
+  master and rounds it into the half-precision weight, as PaddleNLP's O2 (multi-precision AdamW) does.
+  transformers' ``Trainer`` alone would step torch's AdamW on the bf16 weights (bf16 moments too), where
+  an update below half a bf16 spacing of its weight (2^-9 to 2^-8 of it: lr 3e-6 against 6e-5 for a
+  weight of 0.02) rounds away. Gradients are half precision and accumulate so over micro-batches (Paddle's
+  ``main_grad`` fp32 accumulation is not implemented). Master weights need AdamW (``optim``
+  ``adamw_torch`` / ``adamw_torch_fused``, the default); any other ``optim`` steps on the half-precision
+  weights themselves (warned).
+
+fp16 (O1 and O2, on every device, CPU included) scales the loss with ``LossScaler``: torch ``GradScaler``'s
+dynamic policy (start at 2^16, halve and skip the step on an inf/nan gradient, double after 2000 finite
+steps), but it unscales fp16 gradients into fp32 (the masters' gradients) where ``GradScaler.unscale_``
+refuses them, clips the unscaled fp32 gradients, and keeps its scale in the optimizer's param groups
+(``loss_scale``, ``loss_scale_good_steps``) so a checkpoint carries it. accelerate's own fp16 path is not
+used: it needs CUDA and cannot do O2. bf16 needs no loss scale.
 
 Heads applied outside the model's forward (the LM head at the readouts, a PRM's two reward-token rows,
 the ORM / critic ``score`` head) get the hidden states cast to the head weight's dtype (accelerate hands
@@ -29,6 +35,8 @@ the O2 scheme.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -50,6 +58,8 @@ class MasterWeightAdamW(torch.optim.AdamW):
         if adamw.get("amsgrad") or adamw.get("maximize"):
             raise ValueError("MasterWeightAdamW: amsgrad and maximize are not implemented for half-precision weights")
         super().__init__(params, **adamw)
+        # fp32 gradients of half-precision parameters, set by LossScaler.unscale_ for the next step only
+        self.master_grads: dict[torch.Tensor, torch.Tensor] = {}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -69,7 +79,8 @@ class MasterWeightAdamW(torch.optim.AdamW):
             for _, p, grad in half:
                 p.grad = grad
         for group, p, grad in half:
-            self._master_step(group, p, grad)
+            self._master_step(group, p, self.master_grads.get(p, grad))
+        self.master_grads.clear()
 
     def _master_step(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> None:
         state = self.state[p]
@@ -104,3 +115,128 @@ class MasterWeightAdamW(torch.optim.AdamW):
         for k, p in zip(saved_ids, params):
             for name, value in keep.get(k, {}).items():
                 self.state[p][name] = value.to(device=p.device, dtype=torch.float32)
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all gradients together, the same on every rank: one norm per device mesh for DTensors
+    (FSDP2 / tensor-parallel shards, reduced over their mesh), as transformers' ``Trainer`` computes it;
+    plain tensors are replicated (DDP) and their local norm is the global one."""
+    from torch.distributed.tensor import DTensor
+    from torch.nn.utils import get_total_norm
+
+    if not grads:
+        return torch.zeros(())
+    by_mesh: dict = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    norms = []
+    for part in by_mesh.values():
+        norm = get_total_norm(part)
+        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 training, in the interface accelerate calls (``scale``, ``step``,
+    ``update``) plus ``unscale_and_clip`` for the trainer's gradient clipping.
+
+    Per optimizer step: the loss is multiplied by the scale before ``backward``; ``unscale_and_clip`` divides
+    the gradients by it (fp32 parameters in place; fp16 parameters of a ``MasterWeightAdamW`` into fp32
+    ``master_grads``, of any other optimizer in place), finds inf/nan on any rank, and clips the finite
+    unscaled gradients to ``max_norm``; ``step`` skips the optimizer on inf/nan; ``update`` halves the scale
+    after a skipped step and doubles it after ``growth_interval`` finite ones. The state lives in every
+    param group of the bound optimizer (``loss_scale``, ``loss_scale_good_steps``), so it is saved, resharded
+    and restored with the optimizer state.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ) -> None:
+        self.init_scale, self.growth_factor, self.backoff_factor = init_scale, growth_factor, backoff_factor
+        self.growth_interval = growth_interval
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._found_inf: bool | None = None  # None: not unscaled yet in this step
+        self._norm: torch.Tensor | None = None
+
+    def bind(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        for group in optimizer.param_groups:
+            group.setdefault("loss_scale", self.init_scale)
+            group.setdefault("loss_scale_good_steps", 0)
+
+    def get_scale(self) -> float:
+        if self.optimizer is None:
+            return self.init_scale
+        return float(self.optimizer.param_groups[0].get("loss_scale", self.init_scale))
+
+    def is_enabled(self) -> bool:
+        return True
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.get_scale()
+
+    @torch.no_grad()
+    def unscale_and_clip(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """Unscale this step's gradients (once), return their total 2-norm (inf/nan if any overflowed) and,
+        when ``max_norm`` > 0 and the norm is finite, clip them to it."""
+        if self._found_inf is None:
+            self._unscale(optimizer)
+        norm = self._norm
+        if max_norm > 0 and not self._found_inf:
+            coef = max_norm / (float(norm) + 1e-6)
+            if coef < 1:
+                for g in self._grads:
+                    g.mul_(coef)
+        return norm
+
+    def _unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        inv = 1.0 / self.get_scale()
+        master = getattr(optimizer, "master_grads", None)
+        grads = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if master is not None and p.dtype in (torch.float16, torch.bfloat16):
+                    g = p.grad.to(torch.float32) * inv
+                    master[p] = g
+                else:
+                    g = p.grad.mul_(inv)
+                grads.append(g)
+        self._grads = grads
+        self._norm = total_norm(grads)
+        self._found_inf = not math.isfinite(float(self._norm))
+
+    def step(self, optimizer: torch.optim.Optimizer, closure=None):
+        if self._found_inf is None:
+            self._unscale(optimizer)
+        if self._found_inf:
+            getattr(optimizer, "master_grads", {}).clear()
+            return None
+        return optimizer.step()
+
+    def update(self) -> None:
+        skipped = bool(self._found_inf)
+        self._found_inf, self._norm, self._grads = None, None, []
+        if self.optimizer is None:
+            return
+        scale = self.get_scale()
+        good = int(self.optimizer.param_groups[0].get("loss_scale_good_steps", 0))
+        if skipped:
+            scale, good = scale * self.backoff_factor, 0
+        else:
+            good += 1
+            if good >= self.growth_interval:
+                scale, good = scale * self.growth_factor, 0
+        for group in self.optimizer.param_groups:
+            group["loss_scale"], group["loss_scale_good_steps"] = scale, good
+
+    def state_dict(self) -> dict:  # the state is in the optimizer's param groups
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
