@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llm.alignment.dpo.loss import LABEL_SMOOTHING, LOSSES, NEEDS_REFERENCE
+from llm.alignment.dpo.loss import LOSSES, loss_spec
 from llm.utils.arguments import DataArgument, ModelArgument, TrainingArguments
 from llm.utils.errors import UserError
 
@@ -58,22 +58,24 @@ class DPOTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self) -> None:
-        if self.loss_type not in LOSSES:
-            raise UserError(f"loss_type must be one of {', '.join(LOSSES)}, got {self.loss_type!r}")
+        spec = loss_spec(self.loss_type)
         if self.beta <= 0:
             raise UserError(f"beta must be > 0, got {self.beta}")
         if not 0 <= self.label_smoothing < 0.5:
             raise UserError(f"label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
-        if self.label_smoothing and self.loss_type not in LABEL_SMOOTHING:
+        if self.label_smoothing and not spec.label_smoothing:
+            smoothed = [name for name, s in LOSSES.items() if s.label_smoothing]
             raise UserError(
                 f"label_smoothing has no effect with loss_type={self.loss_type!r}: set it to 0 "
-                f"(it applies to {' and '.join(LABEL_SMOOTHING)})"
+                f"(it applies to {' and '.join(smoothed)})"
             )
         if self.sft_loss_weight < 0:
             raise UserError(f"sft_loss_weight must be >= 0, got {self.sft_loss_weight}")
-        if self.sft_loss_weight and self.loss_type == "orpo":
-            raise UserError("sft_loss_weight: orpo already includes its NLL term; set sft_loss_weight to 0")
-        if self.reference_free and self.loss_type not in NEEDS_REFERENCE:
+        if self.sft_loss_weight and spec.nll_term:
+            raise UserError(
+                f"sft_loss_weight: {self.loss_type} already includes its NLL term; set sft_loss_weight to 0"
+            )
+        if self.reference_free and not spec.needs_reference:
             raise UserError(f"reference_free: loss_type={self.loss_type!r} has no reference anyway; set it false")
         if self.precompute_ref_log_probs and not self.uses_reference:
             raise UserError(
@@ -84,7 +86,7 @@ class DPOTrainingArguments(TrainingArguments):
 
     @property
     def uses_reference(self) -> bool:
-        return self.loss_type in NEEDS_REFERENCE and not self.reference_free
+        return loss_spec(self.loss_type).needs_reference and not self.reference_free
 
 
 DPO_ARGUMENT_TYPES = (DPOModelArgument, DataArgument, DPOTrainingArguments)

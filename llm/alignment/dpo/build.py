@@ -9,6 +9,7 @@ import logging
 from transformers import PreTrainedTokenizerBase
 
 from llm.alignment.dpo.arguments import DPOModelArgument, DPOTrainingArguments
+from llm.alignment.dpo.loss import loss_spec
 from llm.alignment.dpo.trainer import DPOTrainer, collate_pairs
 from llm.alignment.lm import load_causal_lm
 from llm.alignment.sft.build import encode_config
@@ -37,7 +38,7 @@ def build_pair_data(
         encode_pair_for_lm,
         tokenizer=tokenizer,
         cfg=encode_config(data_args),
-        prompt_targets=loss_type == "orpo",  # ORPO's NLL term also covers the prompt tokens
+        prompt_targets=loss_spec(loss_type).nll_term,  # ORPO's NLL term also covers the prompt tokens
     )
     return load_packed(path, "pair", encode, data_args, batch_size, seed, probs, lazy)
 

@@ -23,10 +23,13 @@ models' precision (``readout_log_probs`` upcasts the logits before the log-softm
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from llm.utils.errors import UserError, closest
 
 
 class PairLogProbs(NamedTuple):
@@ -106,17 +109,68 @@ def _mean_margin(policy: PairLogProbs, reference: tuple[torch.Tensor, torch.Tens
     return chosen - rejected
 
 
-# loss_type -> per-pair loss(policy, reference, beta, label_smoothing, simpo_gamma)
-LOSSES: dict[str, Callable[..., torch.Tensor]] = {
-    "sigmoid": lambda pol, ref, beta, ls, gamma: sigmoid_loss(_margin(pol, ref), beta, ls),
-    "hinge": lambda pol, ref, beta, ls, gamma: hinge_loss(_margin(pol, ref), beta),
-    "ipo": lambda pol, ref, beta, ls, gamma: ipo_loss(_mean_margin(pol, ref), beta),
-    "simpo": lambda pol, ref, beta, ls, gamma: simpo_loss(_mean_margin(pol, ref), beta, gamma, ls),
-    "orpo": lambda pol, ref, beta, ls, gamma: orpo_odds_ratio_loss(*_means(pol, ref), beta),
-}
-NEEDS_REFERENCE = ("sigmoid", "hinge", "ipo")  # simpo and orpo are reference-free by design
-LENGTH_NORMALISED = ("simpo", "orpo")  # sequence log-prob = mean per token (logps and rewards too)
-LABEL_SMOOTHING = ("sigmoid", "simpo")  # the losses that take label_smoothing
+@dataclass(frozen=True)
+class LossSpec:
+    """A ``loss_type``: its per-pair loss and the properties validation, data building and the trainer read.
+
+    ``loss(policy, reference, beta, label_smoothing, simpo_gamma)`` -> ``(P,)``; ``needs_reference``: the
+    loss compares to a frozen reference (else reference-free by design); ``length_normalised``: sequence
+    log-probs are per-token means (logps and rewards too); ``label_smoothing``: takes ``label_smoothing``;
+    ``nll_term``: the loss includes an NLL term over prompt + chosen (ORPO), so the prompt tokens are targets
+    and ``sft_loss_weight`` would count it twice.
+    """
+
+    loss: Callable[..., torch.Tensor]
+    needs_reference: bool
+    length_normalised: bool = False
+    label_smoothing: bool = False
+    nll_term: bool = False
+
+
+LOSSES: dict[str, LossSpec] = {}
+
+
+def register_loss(name: str, spec: LossSpec) -> LossSpec:
+    """Add a ``loss_type``: validation (``DPOTrainingArguments``), data building and the trainer read it."""
+    if name in LOSSES:
+        raise ValueError(f"loss_type {name!r} is registered twice")
+    LOSSES[name] = spec
+    return spec
+
+
+def loss_spec(loss_type: str) -> LossSpec:
+    """The registered spec of ``loss_type``; an unknown name is refused with the valid ones."""
+    if loss_type not in LOSSES:
+        raise UserError(
+            f"loss_type must be one of {', '.join(LOSSES)}, got {loss_type!r} (closest: {closest(loss_type, LOSSES)})"
+        )
+    return LOSSES[loss_type]
+
+
+register_loss(
+    "sigmoid",
+    LossSpec(lambda pol, ref, beta, ls, gamma: sigmoid_loss(_margin(pol, ref), beta, ls), True, label_smoothing=True),
+)
+register_loss("hinge", LossSpec(lambda pol, ref, beta, ls, gamma: hinge_loss(_margin(pol, ref), beta), True))
+register_loss("ipo", LossSpec(lambda pol, ref, beta, ls, gamma: ipo_loss(_mean_margin(pol, ref), beta), True))
+register_loss(
+    "simpo",
+    LossSpec(
+        lambda pol, ref, beta, ls, gamma: simpo_loss(_mean_margin(pol, ref), beta, gamma, ls),
+        needs_reference=False,
+        length_normalised=True,
+        label_smoothing=True,
+    ),
+)
+register_loss(
+    "orpo",
+    LossSpec(
+        lambda pol, ref, beta, ls, gamma: orpo_odds_ratio_loss(*_means(pol, ref), beta),
+        needs_reference=False,
+        length_normalised=True,
+        nll_term=True,
+    ),
+)
 
 
 def preference_loss(
@@ -133,11 +187,12 @@ def preference_loss(
     for simpo and orpo). Rewards are ``beta * (pi - ref)`` on sums, or ``beta * mean`` for the
     length-normalised losses, as TRL logs them.
     """
-    if reference is None or loss_type not in NEEDS_REFERENCE:
+    spec = loss_spec(loss_type)
+    if reference is None or not spec.needs_reference:
         zero = torch.zeros_like(policy.chosen)
         reference = (zero, zero)
-    loss = LOSSES[loss_type](policy, reference, beta, label_smoothing, simpo_gamma)
-    if loss_type in LENGTH_NORMALISED:
+    loss = spec.loss(policy, reference, beta, label_smoothing, simpo_gamma)
+    if spec.length_normalised:
         chosen, rejected = (x.detach() for x in _means(policy, reference))
         return PreferenceOutputs(loss, beta * chosen, beta * rejected, chosen, rejected)
     chosen, rejected = policy.chosen.detach(), policy.rejected.detach()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llm.alignment.dpo.loss import NEEDS_REFERENCE, PairLogProbs, mean_nll, preference_loss
+from llm.alignment.dpo.loss import PairLogProbs, loss_spec, mean_nll, preference_loss
 from llm.alignment.lm import READOUT_CHUNK, check_packed_attention, per_example_sums, token_log_probs
 from llm.alignment.trainer import AlignmentTrainer, ItemOutputs, _gather_objects
 from llm.data.packing import PackedBatch, PackedRow, collate
@@ -69,7 +69,8 @@ class DPOTrainer(AlignmentTrainer):
         check_packed_attention(self.model, "DPOTrainer")
         self.loss_type, self.beta, self.label_smoothing = loss_type, beta, label_smoothing
         self.simpo_gamma, self.sft_loss_weight, self.readout_chunk = simpo_gamma, sft_loss_weight, readout_chunk
-        self.uses_reference = loss_type in NEEDS_REFERENCE and not reference_free
+        self.spec = loss_spec(loss_type)
+        self.uses_reference = self.spec.needs_reference and not reference_free
         self.ref_model = ref_model
         if ref_model is not None:
             ref_model.requires_grad_(False)
@@ -114,7 +115,7 @@ class DPOTrainer(AlignmentTrainer):
             self.simpo_gamma,
         )
         loss = out.loss
-        if self.loss_type == "orpo":
+        if self.spec.nll_term:
             # ORPO's NLL covers the prompt and the chosen answer, as the official code and TRL compute it.
             seq = (batch.readout_part == CHOSEN) | (batch.readout_part == PROMPT)
             loss = loss + mean_nll(
