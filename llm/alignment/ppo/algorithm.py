@@ -8,6 +8,7 @@ before it, the reward received after emitting it).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,43 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
 
 
 # --- KL estimators (Schulman, "Approximating KL divergence", 2020) ---------------------------------
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}  # name -> f(log p - log q) per token
+
+
+def register_kl_estimator(*names: str):
+    """Register ``f(log_ratio) -> per-token KL estimate`` under ``names`` (``algorithm.kl_penalty``)."""
+
+    def add(fn):
+        for name in names:
+            if name in KL_ESTIMATORS or name == "full":
+                raise ValueError(f"KL estimator {name!r} is registered twice")
+            KL_ESTIMATORS[name] = fn
+        return fn
+
+    return add
+
+
+@register_kl_estimator("kl", "k1")
+def _k1(log_ratio: torch.Tensor) -> torch.Tensor:
+    return log_ratio
+
+
+@register_kl_estimator("abs")
+def _abs(log_ratio: torch.Tensor) -> torch.Tensor:
+    return log_ratio.abs()
+
+
+@register_kl_estimator("mse", "k2")
+def _k2(log_ratio: torch.Tensor) -> torch.Tensor:
+    return 0.5 * log_ratio.square()
+
+
+@register_kl_estimator("low_var_kl", "k3")
+def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    neg = -log_ratio
+    return neg.exp() - neg - 1
+
+
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from sampled-token log-probs.
 
@@ -44,20 +82,14 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -
     low_var_kl / k3: ``exp(log q - log p) - (log q - log p) - 1`` (unbiased, always >= 0).
     ("full" needs the whole distributions: see ``full_kl``.)
     """
-    log_ratio = logprobs - ref_logprobs
-    if kind in ("kl", "k1"):
-        return log_ratio
-    if kind == "abs":
-        return log_ratio.abs()
-    if kind in ("mse", "k2"):
-        return 0.5 * log_ratio.square()
-    if kind in ("low_var_kl", "k3"):
-        neg = -log_ratio
-        return neg.exp() - neg - 1
-    raise ValueError(f"unknown KL estimator {kind!r}")
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {kind!r}")
+    return KL_ESTIMATORS[kind](logprobs - ref_logprobs)
 
 
-KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
+def kl_kinds() -> tuple[str, ...]:
+    """Every ``algorithm.kl_penalty``: the registered estimators and ``full`` (the exact KL)."""
+    return (*KL_ESTIMATORS, "full")
 
 
 def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
@@ -89,7 +121,38 @@ class AdaptiveKLController:
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
+KL_CONTROLLERS: dict[str, Callable] = {
+    # algorithm.kl_ctrl.type -> controller built from the kl_ctrl section (kl_coef, target_kl, horizon)
+    "fixed": lambda ctl: FixedKLController(ctl.kl_coef),
+    "adaptive": lambda ctl: AdaptiveKLController(ctl.kl_coef, ctl.target_kl, ctl.horizon),
+}
+
+
 # --- rewards -----------------------------------------------------------------------------------------
+def shape_scores(
+    scores: torch.Tensor,
+    ended: torch.Tensor,
+    moments: RunningMoments,
+    missing_eos_penalty: float | None = None,
+    normalize: bool = False,
+    clip: float | None = None,
+) -> torch.Tensor:
+    """The score each sample's last token receives, from the reward's raw ``scores`` ``(B,)``: minus
+    ``missing_eos_penalty`` where the response stopped before EOS (``ended`` False); with ``normalize``,
+    ``(s - mean) / std`` by the running moments, updated with this batch first; then clipped to
+    ``[-clip, clip]``."""
+    scores = scores.clone()
+    if missing_eos_penalty is not None:
+        scores = scores - missing_eos_penalty * (~ended).float()
+    if normalize:
+        moments.update(scores)
+        scores = (scores - moments.mean) / moments.std
+    if clip is not None:
+        scores = scores.clamp(-clip, clip)
+    return scores
+
+
+# --- per-token rewards -----------------------------------------------------------------------------------------
 def token_rewards(
     kl: torch.Tensor,
     scores: torch.Tensor,
@@ -158,7 +221,46 @@ def group_advantages(scores: torch.Tensor, group_size: int, kind: str, eps: floa
     raise ValueError(f"unknown group estimator {kind!r}")
 
 
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus")
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """An ``algorithm.adv_estimator``: ``estimate(rewards, values, mask, gamma, lam, group_size)`` ->
+    ``(advantages, returns or None)``, all ``(B, T)``; ``needs_critic``: it reads ``values`` (a critic is
+    built and trained on ``returns``); ``grouped``: it compares the samples of one prompt (needs
+    ``num_samples_per_step`` >= 2)."""
+
+    estimate: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+    needs_critic: bool = False
+    grouped: bool = False
+
+
+ADV_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+
+
+def register_adv_estimator(name: str, estimator: AdvantageEstimator) -> AdvantageEstimator:
+    if name in ADV_ESTIMATORS:
+        raise ValueError(f"advantage estimator {name!r} is registered twice")
+    ADV_ESTIMATORS[name] = estimator
+    return estimator
+
+
+def _outcome_advantages(kind: str):
+    """grpo / rloo: one outcome per sample (its score minus its summed KL), broadcast over its tokens."""
+
+    def estimate(rewards, values, mask, gamma, lam, group_size):
+        return group_advantages(rewards.sum(1), group_size, kind)[:, None] * mask, None
+
+    return estimate
+
+
+register_adv_estimator(
+    "gae",
+    AdvantageEstimator(lambda r, v, m, gamma, lam, g: gae(r, v, m, gamma, lam), needs_critic=True),
+)
+register_adv_estimator("grpo", AdvantageEstimator(_outcome_advantages("grpo"), grouped=True))
+register_adv_estimator("rloo", AdvantageEstimator(_outcome_advantages("rloo"), grouped=True))
+register_adv_estimator(
+    "reinforce_plus_plus", AdvantageEstimator(lambda r, v, m, gamma, lam, g: (discounted_returns(r, m, gamma), None))
+)
 
 
 # --- losses -------------------------------------------------------------------------------------------

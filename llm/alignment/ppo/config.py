@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from llm.alignment.ppo.algorithm import ADV_ESTIMATORS, KL_KINDS
+from llm.alignment.ppo.algorithm import ADV_ESTIMATORS, KL_CONTROLLERS, kl_kinds
 from llm.utils import fields
 from llm.utils.errors import UserError, closest
 from llm.utils.paths import resolve_input_path, resolve_paths, tried
@@ -336,7 +336,8 @@ class PPOConfig:
 
     @property
     def uses_critic(self) -> bool:
-        return self.algorithm.adv_estimator == "gae"
+        estimator = ADV_ESTIMATORS.get(self.algorithm.adv_estimator)  # None: refused by validate_ppo_config
+        return estimator is not None and estimator.needs_critic
 
 
 # Keys this project's PPO once had, or that belong elsewhere: each stops the run with what to write instead.
@@ -478,12 +479,16 @@ def parse_ppo_config(argv: list[str]) -> PPOConfig:
 def validate_ppo_config(c: PPOConfig, path: str) -> None:
     """What the types cannot say: choices, ranges, sizes that must divide, fields that need one another."""
     a, alg = c.actor_rollout, c.algorithm
-    if alg.adv_estimator not in ADV_ESTIMATORS:
-        raise UserError(f"{path}: algorithm.adv_estimator must be one of {ADV_ESTIMATORS}, got {alg.adv_estimator!r}")
-    if alg.kl_penalty not in KL_KINDS:
-        raise UserError(f"{path}: algorithm.kl_penalty must be one of {KL_KINDS}, got {alg.kl_penalty!r}")
-    if alg.kl_ctrl.type not in ("fixed", "adaptive"):
-        raise UserError(f"{path}: algorithm.kl_ctrl.type must be fixed or adaptive, got {alg.kl_ctrl.type!r}")
+    for name, value, valid in (
+        ("adv_estimator", alg.adv_estimator, tuple(ADV_ESTIMATORS)),
+        ("kl_penalty", alg.kl_penalty, kl_kinds()),
+        ("kl_ctrl.type", alg.kl_ctrl.type, tuple(KL_CONTROLLERS)),
+    ):
+        if value not in valid:
+            raise UserError(
+                f"{path}: algorithm.{name} must be one of {', '.join(valid)}, got {value!r} "
+                f"(closest: {closest(str(value), valid)})"
+            )
     if c.reward.type not in ("orm", "prm", "rule", "http"):
         raise UserError(f"{path}: reward.type must be orm, prm, rule or http, got {c.reward.type!r}")
     if c.reward.prm_aggregation not in ("dense", "min", "last", "mean"):
@@ -527,7 +532,8 @@ def validate_ppo_config(c: PPOConfig, path: str) -> None:
     ):
         if batch % size:
             raise UserError(f"{path}: {name}={size} must divide rollout_batch_size x num_samples_per_step = {batch}")
-    if alg.adv_estimator in ("grpo", "rloo") and a.num_samples_per_step < 2:
+    grouped = ADV_ESTIMATORS[alg.adv_estimator].grouped
+    if grouped and a.num_samples_per_step < 2:
         raise UserError(f"{path}: adv_estimator={alg.adv_estimator!r} needs actor_rollout.num_samples_per_step >= 2")
     if not a.do_sample and a.num_samples_per_step > 1:
         logger.warning(
@@ -536,7 +542,7 @@ def validate_ppo_config(c: PPOConfig, path: str) -> None:
             path,
             a.num_samples_per_step,
             a.num_samples_per_step,
-            " (so their group advantages are 0)" if alg.adv_estimator in ("grpo", "rloo") else "",
+            " (so their group advantages are 0)" if grouped else "",
         )
     validate_memory(c, path)
     validate_resource_pool(c.resource_pool, path)

@@ -25,16 +25,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from llm.alignment.ppo.algorithm import (
-    AdaptiveKLController,
-    FixedKLController,
+    ADV_ESTIMATORS,
+    KL_CONTROLLERS,
     RunningMoments,
-    discounted_returns,
     full_kl,
-    gae,
-    group_advantages,
     kl_estimate,
     masked_mean,
     masked_whiten,
+    shape_scores,
     token_rewards,
 )
 from llm.alignment.ppo.config import PPOConfig
@@ -123,12 +121,7 @@ class PPOTrainer:
         self.actor, self.ref, self.critic, self.reward = actor, ref, critic, reward
         self.rollout_copy = rollout_copy
         self.last_checkpoint: str | None = None
-        ctl = config.algorithm.kl_ctrl
-        self.kl_ctl = (
-            FixedKLController(ctl.kl_coef)
-            if ctl.type == "fixed"
-            else AdaptiveKLController(ctl.kl_coef, ctl.target_kl, ctl.horizon)
-        )
+        self.kl_ctl = KL_CONTROLLERS[config.algorithm.kl_ctrl.type](config.algorithm.kl_ctrl)
         self.moments = RunningMoments()
         self.step = 0
         self.history: list[dict] = []  # per mini-batch losses, for tests and debugging
@@ -237,14 +230,9 @@ class PPOTrainer:
             logprobs, ref_logprobs = actor_out, ref_out
             kl = kl_estimate(logprobs, ref_logprobs, alg.kl_penalty) if ref_logprobs is not None else 0 * logprobs
         raw = out.scores.clone()
-        scores = out.scores.clone()
-        if alg.missing_eos_penalty is not None:
-            scores = scores - alg.missing_eos_penalty * (~samples.ended).float()
-        if rw.normalize_reward:
-            self.moments.update(scores)
-            scores = (scores - self.moments.mean) / self.moments.std
-        if rw.reward_clip is not None:
-            scores = scores.clamp(-rw.reward_clip, rw.reward_clip)
+        scores = shape_scores(
+            out.scores, samples.ended, self.moments, alg.missing_eos_penalty, rw.normalize_reward, rw.reward_clip
+        )
         return Scored(samples, mask, logprobs, ref_logprobs, values, kl * mask, scores, raw, out.dense)
 
     # --- phase 3: advantages -----------------------------------------------------------------
@@ -253,15 +241,10 @@ class PPOTrainer:
         mask = s.mask
         kl_coef = self.kl_ctl.value if alg.use_kl_in_reward else 0.0
         rewards = token_rewards(s.kl, s.scores, mask, kl_coef, s.dense)
-        returns = None
-        if alg.adv_estimator == "gae":
-            adv, returns = gae(rewards, s.values, mask, alg.gamma, alg.lam)
-        elif alg.adv_estimator == "reinforce_plus_plus":
-            adv = discounted_returns(rewards, mask, alg.gamma)
-        else:  # grpo / rloo: one outcome per sample (score minus its summed KL), broadcast over tokens
-            outcome = rewards.sum(1)
-            adv = group_advantages(outcome, self.c.actor_rollout.num_samples_per_step, alg.adv_estimator)
-            adv = adv[:, None] * mask
+        estimator = ADV_ESTIMATORS[alg.adv_estimator]
+        adv, returns = estimator.estimate(
+            rewards, s.values, mask, alg.gamma, alg.lam, self.c.actor_rollout.num_samples_per_step
+        )
         if alg.whiten_advantages:
             adv = masked_whiten(adv, mask)
         return Experience(s, rewards, adv * mask, returns)
