@@ -486,3 +486,36 @@ def test_repeated_stream_starts_again_and_an_empty_one_stops():
     assert [r.input_ids for r in cycled] == [r.input_ids for r in (once * 3)[:7]]
     with pytest.raises(UserError, match="nothing.jsonl: the stream holds no example that fits max_seq_len=8"):
         next(iter(StreamedRows(lambda: iter([]), 8, None, repeat=True, source="nothing.jsonl")))
+
+
+def test_readout_fast_path_goes_by_structure_not_class_name(caplog):
+    """A Qwen3 layer (q/k norms in its attention) keeps the full computation, with a warning naming why; a
+    Llama-shaped layer under a name no list holds gets the fast path and the same numbers."""
+    import functools
+
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from llm.alignment.lm import readout_hidden
+    from llm.alignment.rm import readout
+
+    qwen3 = tiny_model("qwen3", head_dim=16)
+    with caplog.at_level("WARNING", logger="llm.alignment.rm.readout"):
+        assert not readout.install(qwen3)
+    assert "k_norm" in caplog.text and "Qwen3DecoderLayer" in caplog.text
+    assert readout.mismatch(qwen3.model.layers[-1]) is not None
+
+    class HouseDecoderLayer(LlamaDecoderLayer):
+        pass
+
+    full = tiny_model("llama")
+    sparse = twin(full, "packed_sdpa")
+    sparse.model.layers[-1].__class__ = HouseDecoderLayer
+    assert readout.mismatch(sparse.model.layers[-1]) is None and readout.install(sparse)
+    gen = torch.Generator().manual_seed(7)
+    examples, _ = make_examples(gen)
+    for ex in examples:
+        ex.readout_position = sorted(torch.randperm(len(ex), generator=gen)[:3].tolist())
+    batch = collate(pack(examples, 40, "greedy")[0], pad_token_id=0)
+    h_full = readout_hidden(full, batch, True)
+    h_sparse = readout_hidden(functools.partial(sparse, readout_index=batch.readout_index), batch, True)
+    torch.testing.assert_close(h_sparse, h_full, rtol=1e-5, atol=1e-5)

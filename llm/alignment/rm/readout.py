@@ -13,27 +13,66 @@ fifth of the model's linear-layer work, with the same numbers up to float roundi
 called with ``readout_index`` (flat ``row * L + position`` indices, ``PackedBatch.readout_index``) and
 ``packed_attention``; the layer output is then zero except at the readout positions. Without
 ``readout_index`` the layer is the stock one (generation, saving, any other caller). Only decoder
-layers of the Llama shape (input norm, q/k/v/o projections with rotate-half rotary embeddings,
-post-attention norm, MLP) are replaced, named in ``READOUT_LAYERS``; others keep the full layer.
+layers of the Llama shape are replaced, recognised by their structure, not their class name
+(``mismatch``): exactly an input norm, ``self_attn`` with exactly q/k/v/o linear projections (no q/k
+norms as in Qwen3, rotary embeddings over whole heads), a post-attention norm and an MLP. Any other layer keeps the full computation, and the log says why.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
 from llm.utils.attention import PackedAttention, readout_sdpa
 
-READOUT_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+logger = logging.getLogger(__name__)
+
+LAYER_PARTS = {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
+ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
+
+
+def mismatch(layer: torch.nn.Module) -> str | None:
+    """Why ``readout_layer`` would not compute what ``layer`` computes, or None when it would: the structure
+    ``readout_layer`` reproduces (module names, linear projections, head sizes, rotary and window settings)."""
+    parts = {name for name, _ in layer.named_children()}
+    if parts != LAYER_PARTS:
+        return f"its parts are {sorted(parts)}, not {sorted(LAYER_PARTS)}"
+    attn = layer.self_attn
+    parts = {name for name, _ in attn.named_children()}
+    if parts != ATTENTION_PARTS:
+        return f"its attention has {sorted(parts)}, not exactly {sorted(ATTENTION_PARTS)} (q/k norms?)"
+    if not all(isinstance(getattr(attn, name), torch.nn.Linear) for name in ATTENTION_PARTS):
+        return "its q/k/v/o projections are not linear layers"
+    for name in ("head_dim", "scaling", "attention_dropout"):
+        if not hasattr(attn, name):
+            return f"its attention has no {name!r}"
+    config = getattr(attn, "config", None)
+    if getattr(config, "partial_rotary_factor", 1.0) not in (None, 1.0):
+        return "it rotates only part of each head (partial_rotary_factor)"
+    if attn.o_proj.in_features % attn.head_dim or attn.q_proj.out_features % attn.head_dim:
+        return "its projections are not whole heads of head_dim"
+    return None
 
 
 def install(model: torch.nn.Module) -> bool:
-    """Make the last decoder layer of ``model`` (unwrapped) honour ``readout_index``; False if it cannot."""
+    """Make the last decoder layer of ``model`` (unwrapped) honour ``readout_index``; False (logged with the
+    reason) when the layer is not of the shape ``readout_layer`` computes."""
     layers = getattr(getattr(model, "base_model", model), "layers", None)
-    if not layers or type(layers[-1]).__name__ not in READOUT_LAYERS:
+    if not layers:
+        logger.warning("last_layer_at_readouts: %s has no decoder layers list; the full last layer runs", type(model))
         return False
     last = layers[-1]
+    reason = mismatch(last)
+    if reason is not None:
+        logger.warning(
+            "last_layer_at_readouts: the last layer (%s) is not of the Llama shape this fast path computes: %s; "
+            "the full last layer runs (the same numbers, more work)",
+            type(last).__name__,
+            reason,
+        )
+        return False
     if not isinstance(last.__dict__.get("forward"), functools.partial) or last.forward.func is not _forward:
         # partial, not a closure: a deep copy of the model then calls its own copy of the layer
         last.forward = functools.partial(_forward, last, last.__dict__.get("forward"))
