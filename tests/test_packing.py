@@ -1,7 +1,7 @@
 """Packed == unpacked: per-example logits, losses and gradients, on Llama, Mistral and Qwen2.
 
 The oracle is each example run alone through the stock model (no mask, no packing). The negative
-controls show these tests catch the silently wrong transformers paths listed in PACKING-NOTES.md.
+controls show these tests catch the silently wrong transformers paths listed in llm/utils/attention.py.
 """
 
 import json

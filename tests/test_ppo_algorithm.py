@@ -9,7 +9,6 @@ from llm.alignment.ppo.algorithm import (
     AdaptiveKLController,
     RunningMoments,
     discounted_returns,
-    entropy_from_logits,
     full_kl,
     gae,
     group_advantages,
@@ -126,9 +125,6 @@ def test_value_loss_clipping_hand_values():
     assert loss.item() == pytest.approx(1.62) and frac.item() == 1.0
     assert value_loss(v, old, ret, torch.ones(1, 1), None)[0].item() == pytest.approx(0.5)
 
-
-def test_entropy_uniform():
-    assert entropy_from_logits(torch.zeros(1, 4)).item() == pytest.approx(math.log(4))
 
 
 def test_adaptive_kl_controller():

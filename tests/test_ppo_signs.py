@@ -41,6 +41,23 @@ def _entropy(actor, samples) -> float:
     return float((ent * mask).sum() / mask.sum())
 
 
+def test_actor_entropy_of_a_uniform_policy_is_log_vocab(tmp_path):
+    """A zero LM head makes every next-token distribution uniform: entropy log V at every response token,
+    and every token's log-prob -log V (at any temperature)."""
+    actor = _actor(tmp_path)
+    head = actor.model.get_output_embeddings()
+    with torch.no_grad():
+        head.weight.zero_()
+    samples = fixed_samples()
+    mask = samples.response_mask()
+    with torch.no_grad():
+        logp, ent = actor._log_probs(samples, list(range(len(samples))), with_entropy=True)
+    V = head.weight.shape[0]
+    m = mask[:, : ent.shape[1]].bool()
+    torch.testing.assert_close(ent[m], torch.full_like(ent[m], math.log(V)))
+    torch.testing.assert_close(logp[m], torch.full_like(logp[m], -math.log(V)))
+
+
 @pytest.mark.parametrize("coeff", [0.5, 0.0])
 def test_entropy_bonus_raises_the_entropy(tmp_path, coeff):
     actor = _actor(tmp_path, entropy_coeff=coeff)

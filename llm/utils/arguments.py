@@ -91,7 +91,7 @@ class DataArgument:
     )
     zero_padding: bool = field(default=False, metadata={"help": "Pack several examples into one row."})
     greedy_zero_padding: bool = field(
-        default=False, metadata={"help": "Bin-pack examples (first-fit decreasing) to cut the pad ratio."}
+        default=False, metadata={"help": "Bin-pack examples (best-fit decreasing) to cut the pad ratio."}
     )
     overlong_policy: str = field(
         default="truncate",

@@ -1,4 +1,5 @@
-"""PPO / GRPO / RLOO / REINFORCE++ math as pure functions (torch only, no logging, no .item()).
+"""PPO / GRPO / RLOO / REINFORCE++ math as pure functions of tensors (torch only, no logging; the running
+reward moments and KL controllers keep Python floats), and the registries of the variants.
 
 Token tensors are ``(B, T)`` over response tokens, right-padded; ``mask`` is 1.0 on real response
 tokens. Position t holds what concerns response token t (its log-prob, the value of the state
@@ -269,7 +270,6 @@ class PolicyLoss:
     loss: torch.Tensor  # scalar, sum over tokens / normaliser
     clipfrac: torch.Tensor
     approx_kl: torch.Tensor
-    ratio: torch.Tensor
 
 
 def policy_loss(
@@ -296,7 +296,6 @@ def policy_loss(
         loss=masked_sum(per_token, mask) / denom,
         clipfrac=masked_mean((loss2 > loss1).float(), mask),
         approx_kl=0.5 * masked_mean(log_ratio.square(), mask),
-        ratio=masked_mean(ratio, mask),
     )
 
 
@@ -319,13 +318,6 @@ def value_loss(
         clipfrac = masked_mean((loss2 > loss1).float(), mask)
     denom = mask.sum().clamp_min(1) if normaliser is None else normaliser
     return 0.5 * masked_sum(per_token, mask) / denom, clipfrac
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) per row: ``logsumexp(l) - sum(p * l)``."""
-    logits = logits.float()
-    p = torch.softmax(logits, -1)
-    return torch.logsumexp(logits, -1) - (p * logits).sum(-1)
 
 
 class RunningMoments:

@@ -276,7 +276,6 @@ class PPOTrainer:
     # --- the loop ----------------------------------------------------------------------------
     def train_step(self, responses: list[list[int]] | None = None) -> dict:
         """One PPO step. ``responses`` (fixed, pre-generated) replaces generation, for parity checks."""
-        timings = {}
         t0 = time.perf_counter()
         indices = self.prompt_indices(self.step)
         if responses is None:
