@@ -379,3 +379,21 @@ def test_lazy_without_max_steps_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         run_cli(main, [config(tmp_path, lazy=True, do_eval=False)])
     assert "lazy streaming has no length: set max_steps > 0" in capsys.readouterr().err
+
+
+def test_custom_reward_tokens_label_the_scores_file_and_the_metrics(tmp_path):
+    """reward_tokens "a,b": the data's labels are a/b, the scores file writes them back as given, and
+    step_accuracy counts a step right when (p(a) > 0.5) == (label is a), recomputed here from the file."""
+    with open(os.path.join(SAMPLE, "prm_dev.jsonl"), encoding="utf-8") as f:
+        recs = [json.loads(next(f)) for _ in range(6)]
+    for rec in recs:
+        rec["labels"] = ["a" if lab == "+" else "b" for lab in rec["labels"]]
+    dev = tmp_path / "dev_ab.jsonl"
+    dev.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
+    main([config(tmp_path, dev_dataset_path=str(dev), reward_tokens="a,b", do_train=False, do_eval=True)])
+    out = tmp_path / "out"
+    rows = read_jsonl(out / "eval_scores.jsonl")
+    assert [row["labels"] for row in rows] == [rec["labels"] for rec in recs]
+    right = [(s > 0.5) == (lab == "a") for row in rows for s, lab in zip(row["step_scores"], row["labels"])]
+    results = read_json(out / "eval_results.json")
+    assert results["eval_step_accuracy"] == pytest.approx(sum(right) / len(right))

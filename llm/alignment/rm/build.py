@@ -175,6 +175,7 @@ def build_reward_trainer(model_args: ModelArgument, data_args: DataArgument, tra
         processing_class=tokenizer,
         process_reward=training_args.process_reward,
         reward_token_ids=token_ids,
+        reward_tokens=reward_tokens(model_args),
         margin=training_args.margin,
         center_rewards_coefficient=training_args.center_rewards_coefficient,
         score_regularization=training_args.score_regularization,

@@ -30,6 +30,7 @@ class RewardTrainer(AlignmentTrainer):
         *args,
         process_reward: bool,
         reward_token_ids: tuple[int, int] | None = None,
+        reward_tokens: tuple[str, str] = ("+", "-"),
         margin: float = 0.0,
         center_rewards_coefficient: float = 0.0,
         score_regularization: float = 0.0,
@@ -39,6 +40,7 @@ class RewardTrainer(AlignmentTrainer):
         check_packed_attention(self.model, "RewardTrainer")
         self.process_reward = process_reward
         self.reward_token_ids = list(reward_token_ids) if reward_token_ids else None
+        self.reward_tokens = tuple(reward_tokens)  # how labels are written: the positive and negative token
         self.margin = margin
         self.center = center_rewards_coefficient
         self.regularization = score_regularization
@@ -79,7 +81,7 @@ class RewardTrainer(AlignmentTrainer):
             batch.readout_example.tolist(), out.values["score"].tolist(), batch.readout_target.tolist()
         ):
             examples[ex]["step_scores"].append(score)
-            examples[ex]["labels"].append("+" if label == 0 else "-")
+            examples[ex]["labels"].append(self.reward_tokens[label])
         return examples
 
     def metric_names(self) -> list[str]:
@@ -97,11 +99,11 @@ class RewardTrainer(AlignmentTrainer):
             return {"accuracy": sum(d > 0 for d in diffs) / len(diffs), "margin": sum(diffs) / len(diffs)}
         steps = correct = solved = positive = 0
         for ex in examples:
-            right = [(s > 0.5) == (lab == "+") for s, lab in zip(ex["step_scores"], ex["labels"])]
+            right = [(s > 0.5) == (lab == self.reward_tokens[0]) for s, lab in zip(ex["step_scores"], ex["labels"])]
             steps += len(right)
             correct += sum(right)
             solved += all(right)
-            positive += sum(lab == "+" for lab in ex["labels"])
+            positive += sum(lab == self.reward_tokens[0] for lab in ex["labels"])
         return {
             "step_accuracy": correct / max(steps, 1),
             "solution_accuracy": solved / len(examples),
