@@ -519,3 +519,25 @@ def test_readout_fast_path_goes_by_structure_not_class_name(caplog):
     h_full = readout_hidden(full, batch, True)
     h_sparse = readout_hidden(functools.partial(sparse, readout_index=batch.readout_index), batch, True)
     torch.testing.assert_close(h_sparse, h_full, rtol=1e-5, atol=1e-5)
+
+
+def test_sliding_window_model_longer_than_its_window_is_refused_and_shorter_is_exact():
+    """Mistral with sliding_window 32: packed examples of at most 32 tokens equal each one alone through the
+    stock model (which applies the window); a 33-token example stops with a message (the kernels have none)."""
+    from llm.utils.errors import UserError
+
+    gen = torch.Generator().manual_seed(8)
+    model = tiny_model("mistral", sliding_window=32)
+    stock = twin(model, "sdpa")
+    short = [causal_example(random_ids(n, gen), [], [], record=i) for i, n in enumerate([32, 20, 9])]
+    rows, _ = pack(short, 64, "greedy")
+    batch = collate(rows, pad_token_id=0)
+    logits = model(**batch.model_inputs()).logits
+    for r, row in enumerate(rows):
+        for b in row.blocks:
+            ids = batch.input_ids[r, b.q_start : b.q_end].tolist()
+            torch.testing.assert_close(logits[r, b.q_start : b.q_end], alone_logits(stock, ids), rtol=1e-4, atol=1e-4)
+    long = [causal_example(random_ids(33, gen), [], [], record=0)]
+    batch = collate(pack(long, 64, "greedy")[0], pad_token_id=0)
+    with pytest.raises(UserError, match="sliding window of 32 tokens .* spans 33"):
+        model(**batch.model_inputs())

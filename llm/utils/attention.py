@@ -55,6 +55,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from llm.utils.errors import UserError
+
 PACKED_SDPA = "packed_sdpa"
 
 
@@ -353,6 +355,7 @@ def packed_sdpa_attention(
     """
     if packed_attention is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    check_window(packed_attention, kwargs.get("sliding_window"))
     dropout = dropout if module.training else 0.0
     if getattr(module, RECOMPUTE_CORE_ATTENTION, False) and torch.is_grad_enabled():
         out = checkpoint(_packed_kernel, query, key, value, packed_attention, scaling, dropout, use_reentrant=False)
@@ -362,6 +365,24 @@ def packed_sdpa_attention(
 
 
 RECOMPUTE_CORE_ATTENTION = "recompute_core_attention"
+
+
+def check_window(packed: PackedAttention, window: int | None) -> None:
+    """The packed kernels attend to every earlier token of an example; a model with a sliding attention window
+    (Mistral-7B v0.1: 4096) sees only the last ``window`` ones. Equal up to the window, different past it: an
+    example that long stops the run instead of being computed unlike the model's own attention."""
+    if not window:
+        return
+    longest = packed.cache.get("longest_span")
+    if longest is None:
+        longest = max((sum(e - s for s, e in b.kv) for row in packed.blocks for b in row), default=0)
+        packed.cache["longest_span"] = longest
+    if longest > window:
+        raise UserError(
+            f"the model attends within a sliding window of {window} tokens (its config's sliding_window) and an "
+            f"example here spans {longest}; the packed attention kernels have no window: set max_seq_len "
+            f"<= {window}"
+        )
 
 
 def _packed_kernel(query, key, value, packed_attention: PackedAttention, scaling, dropout: float) -> torch.Tensor:
