@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from llm.alignment.dpo.arguments import DPO_ARGUMENT_TYPES
 from llm.alignment.dpo.build import build_dpo_trainer
 from llm.utils.arguments import parse_arguments, validate_arguments
-from llm.utils.entry import train_and_evaluate
+from llm.utils.entry import output_dir_guard, train_and_evaluate
 from llm.utils.errors import run_cli
 from llm.utils.logging import setup_logging
 
@@ -24,8 +24,9 @@ def main(argv: list[str] | None = None) -> None:
     model_args, data_args, training_args = parse_arguments(sys.argv[1:] if argv is None else argv, DPO_ARGUMENT_TYPES)
     validate_arguments(model_args, data_args, training_args)
     setup_logging(training_args)
-    trainer, _train, dev = build_dpo_trainer(model_args, data_args, training_args)
-    train_and_evaluate(trainer, data_args, training_args, dev.records if dev else [])
+    with output_dir_guard(data_args, training_args):
+        trainer, _train, dev = build_dpo_trainer(model_args, data_args, training_args)
+        train_and_evaluate(trainer, data_args, training_args, dev.records if dev else [])
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from llm.alignment.sft.build import build_sft_trainer
 from llm.utils.arguments import parse_arguments, validate_arguments
-from llm.utils.entry import train_and_evaluate
+from llm.utils.entry import output_dir_guard, train_and_evaluate
 from llm.utils.errors import run_cli
 from llm.utils.logging import setup_logging
 
@@ -23,8 +23,9 @@ def main(argv: list[str] | None = None) -> None:
     model_args, data_args, training_args = parse_arguments(sys.argv[1:] if argv is None else argv)
     validate_arguments(model_args, data_args, training_args)
     setup_logging(training_args)
-    trainer, _train, dev = build_sft_trainer(model_args, data_args, training_args)
-    train_and_evaluate(trainer, data_args, training_args, dev.records if dev else [])
+    with output_dir_guard(data_args, training_args):
+        trainer, _train, dev = build_sft_trainer(model_args, data_args, training_args)
+        train_and_evaluate(trainer, data_args, training_args, dev.records if dev else [])
 
 
 if __name__ == "__main__":

@@ -17,19 +17,36 @@ from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
 from llm.alignment.ppo.config import parse_ppo_config
 from llm.utils.checkpoints import latest_checkpoint
 from llm.utils.errors import run_cli
+from llm.utils.fingerprint import run_fingerprint
 from llm.utils.logging import configure_logging
+from llm.utils.rundir import run_guard
 
 
 def main(argv: list[str] | None = None) -> None:
     configure_logging(logging.INFO)
     config = parse_ppo_config(sys.argv[1:] if argv is None else argv)
-    resume = latest_checkpoint(config.training.resume_from_checkpoint, config.training.output_dir)
-    prompts = load_prompts(config)
-    with placed_roles(config) as roles:
-        trainer = build_ppo(config, prompts, roles)
-        if resume:
-            trainer.load_checkpoint(resume)
-        trainer.train()
+    t = config.training
+    # Before any model loads (not at the final save): output_dir writable, locked for this run (by the driver,
+    # on Ray) and not another run's; SIGTERM handled from here on.
+    guard = run_guard(t.output_dir, t.resume_from_checkpoint, t.overwrite_output_dir, field="training.output_dir")
+    with guard:
+        fingerprint = run_fingerprint(config) if t.resume_from_checkpoint else None
+        resume = latest_checkpoint(t.resume_from_checkpoint, t.output_dir, fingerprint)
+        prompts = load_prompts(config)
+        with placed_roles(config) as roles:
+            trainer = build_ppo(config, prompts, roles)
+            if resume:
+                trainer.load_checkpoint(resume)
+                if trainer.finished:
+                    logging.getLogger("llm.run_ppo").warning(
+                        "%s is at step %d of training.max_steps=%d: the run is already complete, nothing to train "
+                        "(raise max_steps to train on)",
+                        resume,
+                        trainer.step,
+                        t.max_steps,
+                    )
+                    return
+            trainer.train()
 
 
 if __name__ == "__main__":

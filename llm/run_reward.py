@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from llm.alignment.rm.build import build_reward_trainer
 from llm.utils.arguments import parse_arguments, validate_arguments
-from llm.utils.entry import train_and_evaluate
+from llm.utils.entry import output_dir_guard, train_and_evaluate
 from llm.utils.errors import run_cli
 from llm.utils.logging import setup_logging
 from llm.utils.paddle_names import PADDLE_REWARD_NAMES
@@ -22,8 +22,9 @@ def main(argv: list[str] | None = None) -> None:
     model_args, data_args, training_args = parse_arguments(argv, paddle=PADDLE_REWARD_NAMES)
     validate_arguments(model_args, data_args, training_args)
     setup_logging(training_args)
-    trainer, _, dev = build_reward_trainer(model_args, data_args, training_args)
-    train_and_evaluate(trainer, data_args, training_args, dev.records if dev else [])
+    with output_dir_guard(data_args, training_args):
+        trainer, _, dev = build_reward_trainer(model_args, data_args, training_args)
+        train_and_evaluate(trainer, data_args, training_args, dev.records if dev else [])
 
 
 if __name__ == "__main__":

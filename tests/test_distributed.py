@@ -169,7 +169,7 @@ def test_sharded_checkpoint_from_two_processes_resumes_in_one(tmp_path):
         "prm", write_config(tmp_path, "prm", full, per_device_train_batch_size=1, **common), 2, "--sharding", "stage3"
     )
     checkpoint = full / "checkpoint-2"
-    assert len(list((checkpoint / SHARDED_STATE_DIR).glob("*.distcp"))) == 2  # one file per rank
+    assert len(list((checkpoint / SHARDED_STATE_DIR).glob("*.safetensors"))) == 2  # one file per rank
 
     # The unified copy loads with plain transformers and equals the sharded state.
     unified = AutoModelForCausalLM.from_pretrained(checkpoint)

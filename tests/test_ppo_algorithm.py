@@ -126,7 +126,6 @@ def test_value_loss_clipping_hand_values():
     assert value_loss(v, old, ret, torch.ones(1, 1), None)[0].item() == pytest.approx(0.5)
 
 
-
 def test_adaptive_kl_controller():
     ctl = AdaptiveKLController(value=0.1, target=6.0, horizon=10000)
     ctl.update(current_kl=12.0, n_steps=100)  # error clipped to 0.2 -> * (1 + 0.2 * 100 / 10000)

@@ -203,7 +203,8 @@ def test_killed_worker_stops_with_a_message_and_a_usable_checkpoint(ray_cluster,
     resume = config(
         tmp_path,
         reward={"type": "rule", "rule": "llm.alignment.ppo.rules:digit_fraction"},
-        training={"max_steps": 2, "resume_from_checkpoint": "auto"},
+        # another reward rule than the run that saved it: another run's checkpoint, so named explicitly
+        training={"max_steps": 2, "resume_from_checkpoint": str(out / "checkpoint-1")},
     )
     main([resume])
     assert [h["step"] for h in history(out)] == [1, 2]

@@ -231,11 +231,11 @@ def test_http_reward_ok_slow_and_down():
     slow = serve(2.0)
     try:
         with pytest.raises(UserError, match="timeout 0.5s"):
-            HttpReward(f"http://127.0.0.1:{slow.server_address[1]}/", 0.5).score(samples(["a"]))
+            HttpReward(f"http://127.0.0.1:{slow.server_address[1]}/", 0.5, max_retries=0).score(samples(["a"]))
     finally:
         slow.shutdown()
     with pytest.raises(UserError, match="reward server http://127.0.0.1:9/ failed"):
-        HttpReward("http://127.0.0.1:9/", 1).score(samples(["a"]))
+        HttpReward("http://127.0.0.1:9/", 1, max_retries=0).score(samples(["a"]))
 
 
 def test_prm_dense_rewards_land_on_each_steps_last_token():

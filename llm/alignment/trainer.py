@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 from accelerate.optimizer import AcceleratedOptimizer
 from transformers import Trainer
-from transformers.trainer import SCHEDULER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from llm.data.packing import PackedBatch
@@ -53,6 +52,7 @@ class ItemOutputs:
 
     loss: torch.Tensor
     values: dict[str, torch.Tensor]
+    counted: torch.Tensor | None = None  # which items count in the loss's denominator (None: all)
 
 
 def _gather_objects(obj: list) -> list:
@@ -86,6 +86,10 @@ class AlignmentTrainer(Trainer):
 
     def train(self, *args, **kwargs):
         self.check_metric_for_best_model()
+        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        finished = self.resume_of_a_finished_run(resume if isinstance(resume, str) else None)
+        if finished is not None:  # (see the checkpoints section)
+            return finished
         return super().train(*args, **kwargs)
 
     def check_metric_for_best_model(self) -> None:
@@ -118,6 +122,11 @@ class AlignmentTrainer(Trainer):
 
     def metrics(self, examples: list[dict]) -> dict[str, float]:
         raise NotImplementedError
+
+    def eval_metrics(self, examples: list[dict]) -> dict[str, float]:
+        """Metrics of an evaluation over the whole eval set (all ranks' examples, each record once); may add
+        per-example fields for the scores file. Default: ``metrics``."""
+        return self.metrics(examples)
 
     def item_examples(self, batch: PackedBatch, num_items: int) -> torch.Tensor:
         """Example index of each loss item: items are either whole examples (pairs) or readouts (steps, tokens)."""
@@ -192,7 +201,8 @@ class AlignmentTrainer(Trainer):
     def compute_loss(self, model, inputs: PackedBatch, return_outputs=False, num_items_in_batch=None):
         out = self.forward_items(model, inputs)
         if num_items_in_batch is None:  # outside the training loop: plain mean of this batch
-            loss = out.loss.sum() / max(out.loss.numel(), 1)
+            n = out.loss.numel() if out.counted is None else int(out.counted.sum())
+            loss = out.loss.sum() / max(n, 1)
         else:
             # DDP averages gradients over ranks; scale back so the result is sum / global count.
             loss = out.loss.sum() / num_items_in_batch * self.args.world_size
@@ -230,6 +240,9 @@ class AlignmentTrainer(Trainer):
         return dict(zip(keys, values.tolist()))
 
     # --- checkpoints ----------------------------------------------------------------------------
+    # checkpoint-N is written into checkpoint-N.partial (llm.utils.checkpoints) and renamed when complete, its
+    # checkpoint.json marker last. Nothing in it is a pickle: the sharded state is safetensors + JSON
+    # (llm.utils.distributed), the scheduler JSON, the RNG state safetensors + JSON, trainer_state.json JSON.
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         # Inside checkpoints the Hugging Face copy of the model is optional (unified_checkpoint); the final
         # save_model(output_dir) always writes it. Resuming reads the sharded state either way.
@@ -241,23 +254,166 @@ class AlignmentTrainer(Trainer):
         opt = self.optimizer
         return opt.optimizer if isinstance(opt, AcceleratedOptimizer) else opt
 
+    @property
+    def run_fingerprint(self):
+        """``llm.utils.fingerprint.training_fingerprint`` of this run (computed once), stored in every checkpoint."""
+        if getattr(self, "_run_fingerprint", None) is None:
+            from llm.utils.fingerprint import training_fingerprint
+
+            self._run_fingerprint = training_fingerprint(self.args)
+        return self._run_fingerprint
+
+    def _checkpoint_barrier(self) -> None:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+
     def _save_checkpoint(self, model, trial) -> None:
-        # The training state first, the model and trainer_state.json last: a checkpoint directory that
-        # holds trainer_state.json is complete.
+        """transformers' ``_save_checkpoint`` made atomic: every rank writes into ``checkpoint-N.partial``; after a
+        barrier the main process writes the marker and renames the directory; rotation (save_total_limit) counts
+        only complete checkpoints of this run."""
+        from transformers.trainer import TRAINER_STATE_NAME
+        from transformers.trainer_callback import ExportableState
+        from transformers.trainer_utils import SaveStrategy
+
+        from llm.utils.checkpoints import begin_checkpoint, finish_checkpoint, rotate_checkpoints, save_tree
+
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        main = self.args.should_save
+        fingerprint = self.run_fingerprint
+        partial = begin_checkpoint(final, main)
+        self._checkpoint_barrier()
+        self.save_model(partial, _internal_call=True)
+        if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and (
+            self.state.best_global_step
+        ):
+            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+            if best == final or os.path.isdir(best):
+                self.state.best_model_checkpoint = best
         if self._save_training_state:
-            output_dir = os.path.join(
-                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            save_sharded_state(os.path.join(partial, SHARDED_STATE_DIR), self.model, self._raw_optimizer())
+            if main:
+                save_tree(partial, "scheduler", self.lr_scheduler.state_dict())
+            self._save_rng_state(partial)
+        if main:
+            for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
+                name, cb_state = cb.__class__.__name__, cb.state()
+                if isinstance(self.state.stateful_callbacks[name], list):
+                    self.state.stateful_callbacks[name].append(cb_state)
+                else:
+                    self.state.stateful_callbacks[name] = cb_state
+            self.state.save_to_json(os.path.join(partial, TRAINER_STATE_NAME))
+        self._checkpoint_barrier()  # every rank's files are in partial/
+        if main:
+            finish_checkpoint(partial, final, self.state.global_step, fingerprint)
+        self._checkpoint_barrier()  # no rank goes on before checkpoint-N is in place
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(final)
+        if main:
+            rotate_checkpoints(
+                run_dir, self.args.save_total_limit, fingerprint, keep=(self.state.best_model_checkpoint, final)
             )
-            save_sharded_state(os.path.join(output_dir, SHARDED_STATE_DIR), self.model, self._raw_optimizer())
-            if self.args.should_save:
-                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
-            self._save_rng_state(output_dir)
-        super()._save_checkpoint(model, trial)
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        """This process's RNG states (python, numpy, torch CPU and accelerator) as ``rng_state_<rank>.json`` +
+        ``.safetensors``, instead of transformers' pickled ``rng_state*.pth``."""
+        import random
+
+        import numpy as np
+
+        from llm.utils.checkpoints import save_tree
+
+        states: dict = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "cpu": torch.random.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            states["cuda"] = torch.cuda.random.get_rng_state_all()
+        npu = getattr(torch, "npu", None)
+        if npu is not None and npu.is_available():
+            states["npu"] = npu.random.get_rng_state_all()
+        numpy_state = list(states["numpy"])
+        numpy_state[1] = numpy_state[1].astype(np.int64)  # safetensors has no uint32 for every torch build
+        states["numpy"] = tuple(numpy_state)
+        save_tree(output_dir, f"rng_state_{self.args.process_index}", states)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        import random
+
+        import numpy as np
+
+        from llm.utils.checkpoints import MARKER, load_tree
+
+        if checkpoint is None:
+            return
+        name = f"rng_state_{self.args.process_index}"
+        if not os.path.isfile(os.path.join(checkpoint, f"{name}.json")):
+            if os.path.isfile(os.path.join(checkpoint, MARKER)):
+                logger.info(
+                    "%s has no RNG state for process %d (saved by fewer processes): not restored",
+                    checkpoint,
+                    self.args.process_index,
+                )
+                return
+            return self._torch_load_guarded(super()._load_rng_state, checkpoint)
+        states = load_tree(checkpoint, name)
+        try:
+            version, internal, gauss = states["python"]
+            random.setstate((version, tuple(internal), gauss))
+            kind, keys, pos, has_gauss, cached = states["numpy"]
+            np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+            torch.random.set_rng_state(states["cpu"])
+            if torch.cuda.is_available() and "cuda" in states:
+                cuda = states["cuda"]
+                if len(cuda) == torch.cuda.device_count():
+                    torch.cuda.random.set_rng_state_all(cuda)
+                else:
+                    torch.cuda.random.set_rng_state(cuda[min(torch.cuda.current_device(), len(cuda) - 1)])
+            npu = getattr(torch, "npu", None)
+            if npu is not None and npu.is_available() and "npu" in states and len(states["npu"]) == npu.device_count():
+                npu.random.set_rng_state_all(states["npu"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as err:
+            raise UserError(
+                f"{os.path.join(checkpoint, name)}.json: not a valid RNG state ({err}); the checkpoint is damaged"
+            ) from None
+
+    @staticmethod
+    def _torch_load_guarded(load, checkpoint: str, *args):
+        """transformers' own loaders (a checkpoint written by plain transformers): torch.load(weights_only=True),
+        whose refusal of a pickled object becomes one message."""
+        import pickle
+
+        try:
+            return load(checkpoint, *args)
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+            raise UserError(
+                f"{checkpoint}: a .pt/.pth file in it is not plain tensors (torch.load refused it: "
+                f"{str(err).splitlines()[0][:200]}); it is not loaded: resume from a checkpoint saved by this version"
+            ) from None
+
+    def _checkpoint_trainer_state(self, checkpoint: str):
+        """trainer_state.json, read as plain JSON first so that a damaged one is one message."""
+        from transformers.trainer import TRAINER_STATE_NAME
+        from transformers.trainer_callback import TrainerState
+
+        from llm.utils.checkpoints import read_json
+
+        path = os.path.join(checkpoint, TRAINER_STATE_NAME)
+        if not isinstance(read_json(path), dict):
+            raise UserError(f"{path}: not a trainer state; the checkpoint is damaged")
+        try:
+            return TrainerState.load_from_json(path)
+        except (TypeError, ValueError) as err:
+            raise UserError(f"{path}: not a trainer state ({err}); the checkpoint is damaged") from None
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        self._checkpoint_trainer_state(resume_from_checkpoint)
         sharded = os.path.join(resume_from_checkpoint, SHARDED_STATE_DIR)
         if not os.path.isdir(sharded):  # a checkpoint written by plain transformers
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+            return self._torch_load_guarded(super()._load_from_checkpoint, resume_from_checkpoint, model)
         load_sharded_state(sharded, self.model, None)
 
     def _load_best_model(self) -> None:
@@ -268,10 +424,54 @@ class AlignmentTrainer(Trainer):
         load_sharded_state(sharded, self.model, None)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        from llm.utils.checkpoints import load_tree
+
         if checkpoint is None or not os.path.isdir(os.path.join(checkpoint, SHARDED_STATE_DIR)):
-            return super()._load_optimizer_and_scheduler(checkpoint)
+            return self._torch_load_guarded(super()._load_optimizer_and_scheduler, checkpoint)
         load_sharded_state(os.path.join(checkpoint, SHARDED_STATE_DIR), self.model, self._raw_optimizer())
-        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+        if not os.path.isfile(os.path.join(checkpoint, "scheduler.json")):
+            raise UserError(f"{checkpoint}: no scheduler.json; the checkpoint is incomplete: resume from another one")
+        self.lr_scheduler.load_state_dict(load_tree(checkpoint, "scheduler"))
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        # The fp16 loss scale lives in the optimizer's param groups (llm.utils.precision.LossScaler), restored
+        # with the optimizer state; a scaler.pt (plain transformers) is only read with weights_only.
+        if checkpoint is not None and os.path.isfile(os.path.join(checkpoint, "scaler.pt")):
+            self._torch_load_guarded(super()._load_scaler, checkpoint)
+
+    def resume_of_a_finished_run(self, checkpoint: str | None):
+        """When ``checkpoint`` is already at (or past) this run's last step: its model and state loaded, the
+        ``TrainOutput`` to return instead of training (transformers would train one step more); else None."""
+        from transformers.trainer_utils import TrainOutput
+
+        if not checkpoint:
+            return None
+        state = self._checkpoint_trainer_state(checkpoint)
+        planned = self._planned_max_steps()
+        if planned is None or state.global_step < planned:
+            return None
+        logger.warning(
+            "%s is at step %d and this run ends at step %d: the run is already complete, nothing to train "
+            "(raise max_steps or num_train_epochs to train on)",
+            checkpoint,
+            state.global_step,
+            planned,
+        )
+        self._load_from_checkpoint(checkpoint)
+        self.state = state
+        self.already_complete = True
+        losses = [h["train_loss"] for h in state.log_history if "train_loss" in h]
+        return TrainOutput(state.global_step, losses[-1] if losses else float("nan"), {})
+
+    def _planned_max_steps(self) -> int | None:
+        if self.args.max_steps > 0:
+            return self.args.max_steps
+        try:
+            n = len(self.get_train_dataloader())
+        except (TypeError, ValueError):
+            return None
+        ga = self.args.gradient_accumulation_steps
+        return math.ceil(self.args.num_train_epochs * max(n // ga + int(n % ga > 0), 1))
 
     # --- evaluation ---------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
@@ -296,14 +496,15 @@ class AlignmentTrainer(Trainer):
                 owner = self.item_examples(batch, out.loss.numel())
                 sums = torch.zeros(batch.num_examples, dtype=torch.float64, device=out.loss.device)
                 sums.index_add_(0, owner, out.loss.double())
-                counts = torch.bincount(owner, minlength=batch.num_examples)
+                counted = owner if out.counted is None else owner[out.counted]
+                counts = torch.bincount(counted, minlength=batch.num_examples)
                 for ex, loss_sum, n in zip(self.example_outputs(batch, out), sums.tolist(), counts.tolist()):
                     examples.append({**ex, "_loss": loss_sum, "_items": n})
         model.train(was_training)
         unique = {ex["record"]: ex for ex in _gather_objects(examples)}
         examples = [unique[k] for k in sorted(unique)]
         loss = sum(ex.pop("_loss") for ex in examples) / max(sum(ex.pop("_items") for ex in examples), 1)
-        metrics = {"loss": loss, **self.metrics(examples)}
+        metrics = {"loss": loss, **self.eval_metrics(examples)}
         metrics["runtime"] = time.perf_counter() - start
         metrics = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
         if not math.isfinite(loss):

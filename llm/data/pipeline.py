@@ -22,6 +22,7 @@ class PackedData:
     rows: list[PackedRow] | StreamedRows
     records: list  # source records, indexed by Example.record (empty when streamed)
     stats: PackStats | None  # None when streamed
+    overlong: OverlongCounter | None = None  # kept / truncated / skipped (streamed: filled by the first pass)
 
 
 def load_packed(
@@ -44,14 +45,16 @@ def load_packed(
         )
 
     if lazy:
+        first_pass, passes = OverlongCounter(), []
 
         def stream():
-            counter = OverlongCounter()
+            counter = OverlongCounter() if passes else first_pass
+            passes.append(counter)
             for i, record in enumerate(read(True)):
-                example = encode(record, record_index=i, counter=counter)
+                example = counter.encode(encode, record, i)
                 if example is not None:
                     yield example
-            logger.info(counter.report(f"{path} (one pass)"))
+            (logger.warning if counter["skipped"] else logger.info)(counter.report(f"{path} (one pass)"))
 
         logger.info(
             "%s: streamed (lazy), packed on the fly into rows of %d, no shuffling, read again from the start at "
@@ -60,14 +63,15 @@ def load_packed(
             data_args.max_seq_len,
         )
         rows = StreamedRows(stream, data_args.max_seq_len, data_args.pack, repeat=True, source=path)
-        return PackedData(rows, [], None)
+        return PackedData(rows, [], None, first_pass)
     records = list(read(False))
-    examples, _ = encode_all(records, encode, path)
+    examples, counter = encode_all(records, encode, path)
     if not examples:
-        raise UserError(f"{path}: no example fits max_seq_len={data_args.max_seq_len}: raise max_seq_len")
+        skipped = f" ({counter['skipped']} skipped: {counter.named()})" if counter["skipped"] else ""
+        raise UserError(f"{path}: no example fits max_seq_len={data_args.max_seq_len}{skipped}: raise max_seq_len")
     rows, stats = pack(examples, data_args.max_seq_len, data_args.pack, batch_size)
     logger.info("%s: %s", path, stats.summary(data_args.pack, data_args.max_seq_len))
-    return PackedData(rows, records, stats)
+    return PackedData(rows, records, stats, counter)
 
 
 def stream_per_rank(training_args: TrainingArguments) -> None:
@@ -86,6 +90,7 @@ def train_and_dev(
     """The training split (streamed when ``lazy``, mixed by ``dataset_probs``) when training, and the dev
     split when evaluating; a missing path stops the run naming the field."""
     train = dev = None
+    data_args.overlong = {}  # split -> PackedData.overlong, for the results file (overlong_results)
     if training_args.do_train:
         if not data_args.train_dataset_path:
             raise UserError("do_train is true but train_dataset_path is not set")
@@ -97,11 +102,20 @@ def train_and_dev(
             probs=data_args.dataset_probs,
             lazy=data_args.lazy,
         )
+        data_args.overlong["train"] = train.overlong
     if training_args.do_eval or training_args.eval_strategy != "no":
         if not data_args.dev_dataset_path:
             raise UserError("evaluation is on (do_eval or eval_strategy) but dev_dataset_path is not set")
         dev = build(data_args.dev_dataset_path, batch_size=training_args.per_device_eval_batch_size)
+        data_args.overlong["eval"] = dev.overlong
     return train, dev
+
+
+def overlong_results(data_args: DataArgument) -> dict[str, int]:
+    """``train_overlong_skipped`` / ``eval_overlong_skipped``: records skipped as too long in each split read
+    by ``train_and_dev`` (streamed: in one pass), for ``all_results.json``."""
+    counters = getattr(data_args, "overlong", None) or {}
+    return {f"{split}_overlong_skipped": c["skipped"] for split, c in counters.items() if c is not None}
 
 
 def plan_summary(train: PackedData | None, data_args: DataArgument) -> str:

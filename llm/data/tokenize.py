@@ -89,8 +89,37 @@ class EncodeConfig:
 
 
 class OverlongCounter(Counter):
+    """Examples kept whole, truncated and skipped; the first ``NAMED`` skipped records by file and number."""
+
+    NAMED = 5
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.skipped_records: list[tuple[str, int]] = []
+
+    def encode(self, encode, record, record_index: int, **kwargs):
+        """``encode(record, ...)``, naming the record if it was skipped."""
+        before = self["skipped"]
+        example = encode(record, record_index=record_index, counter=self, **kwargs)
+        if self["skipped"] > before and len(self.skipped_records) < self.NAMED:
+            where = (getattr(record, "source", None) or "?", getattr(record, "index", record_index))
+            self.skipped_records.append(where)
+        return example
+
+    def named(self) -> str:
+        """The skipped records named so far, grouped by file: ``a.jsonl records 3, 7; b.jsonl record 0``."""
+        files: dict[str, list[int]] = {}
+        for source, index in self.skipped_records:
+            files.setdefault(source, []).append(index)
+        parts = [f"{src} record{'s' if len(ix) > 1 else ''} {', '.join(map(str, ix))}" for src, ix in files.items()]
+        more = self["skipped"] - len(self.skipped_records)
+        return "; ".join(parts) + (f" and {more} more" if more > 0 else "")
+
     def report(self, what: str) -> str:
-        return f"{what}: {self['ok']} kept whole, {self['truncated']} truncated, {self['skipped']} skipped as too long"
+        text = f"{what}: {self['ok']} kept whole, {self['truncated']} truncated, {self['skipped']} skipped as too long"
+        if self["skipped"]:
+            text += f" ({self.named()}; raise max_seq_len / max_prompt_len, or overlong_policy truncate, to keep them)"
+        return text
 
 
 def _fit_prompt(prompt: list[int], cfg: EncodeConfig) -> list[int] | None:
@@ -144,6 +173,9 @@ def prm_response_ids(
     return ids, marks
 
 
+UNLABELLED = -1  # the readout target of a step without a label (ProcessBench after the first error, best-of-N)
+
+
 def encode_prm(
     record,
     tokenizer: PreTrainedTokenizerBase,
@@ -167,7 +199,8 @@ def encode_prm(
         full_prompt = start_ids(tokenizer)
     prompt = _fit_prompt(full_prompt, cfg)
     response, marks = prm_response_ids(tokenizer, record.steps, placeholder, placeholder_id)
-    targets = [reward_tokens.index(label) for label in record.labels]
+    # 0 = the positive token, 1 = the negative one, UNLABELLED (-1): scored, in no loss or step metric
+    targets = [UNLABELLED if label is None else reward_tokens.index(label) for label in record.labels]
     status = "ok"
     if prompt is None:
         counter["skipped"] += 1
@@ -224,8 +257,8 @@ def encode_all(records: Iterable, encode, what: str, **kwargs) -> tuple[list[Exa
     counter = OverlongCounter()
     examples = []
     for i, record in enumerate(records):
-        ex = encode(record, record_index=i, counter=counter, **kwargs)
+        ex = counter.encode(encode, record, i, **kwargs)
         if ex is not None:
             examples.append(ex)
-    logger.info(counter.report(what))
+    (logger.warning if counter["skipped"] else logger.info)(counter.report(what))
     return examples, counter

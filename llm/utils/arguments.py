@@ -21,6 +21,7 @@ from llm.utils.errors import UserError, closest
 from llm.utils.fields import build, command_line_pairs, init_fields, parse_text, type_hints
 from llm.utils.paddle_names import PADDLE_NAMES, translate
 from llm.utils.paths import resolve_input_path, resolve_paths, tried
+from llm.utils.rundir import check_output_dir
 
 
 @dataclass
@@ -175,6 +176,32 @@ class TrainingArguments(transformers.TrainingArguments):
             "min": 0,
         },
     )
+    prm_threshold: float = field(
+        default=0.5,
+        metadata={
+            "help": "PRM evaluation (ProcessBench): a step scored below it is the predicted first error.",
+            "min": 0,
+        },
+    )
+    prm_threshold_subset: str | None = field(
+        default=None,
+        metadata={
+            "help": "PRM evaluation: also find the threshold that maximises ProcessBench F1 on this subset "
+            "(ProcessBench tunes it on gsm8k) and report every metric at it."
+        },
+    )
+    bon_aggregations: str = field(
+        default="min,product,last,mean",
+        metadata={"help": "PRM evaluation, best-of-N: how step scores make a solution's score (comma-separated)."},
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Train in an output_dir that holds another run's results (checkpoint-*, a model): files of the "
+            "same name are written over, nothing is deleted. Without it (or resume_from_checkpoint) such a "
+            "directory stops the run at start-up."
+        },
+    )
     # Lines about the config for the log (PaddleNLP names with no effect here, ...), filled by parse_arguments.
     config_notes: list[str] = field(default_factory=list, init=False, repr=False)
 
@@ -190,6 +217,8 @@ class TrainingArguments(transformers.TrainingArguments):
             if not 0 <= self.warmup_ratio < 1:
                 raise UserError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
             self.warmup_steps = self.warmup_ratio
+        if self.prm_threshold > 1:
+            raise UserError(f"prm_threshold is a probability in [0, 1], got {self.prm_threshold}")
         if self.fp16_opt_level not in ("O1", "O2"):
             raise UserError(f"fp16_opt_level must be 'O1' or 'O2', got {self.fp16_opt_level!r}")
         if self.recompute:
@@ -252,10 +281,14 @@ def validate_arguments(model_args: ModelArgument, data_args: DataArgument, train
         raise UserError("dataset_probs needs train_dataset_path with several comma-separated files")
     if data_args.lazy and training_args.max_steps <= 0 and training_args.do_train:
         raise UserError("lazy streaming has no length: set max_steps > 0")
+    check_output_dir(training_args.output_dir)  # a file there or an unwritable directory: stop now, not at a save
     if data_args.benchmark or data_args.autotuner_benchmark:
         training_args.do_eval = False
         training_args.eval_strategy = "no"
         training_args.save_strategy = "no"
+    from llm.utils.fingerprint import remember_run_arguments
+
+    remember_run_arguments(model_args, data_args, training_args)  # for the checkpoints' run fingerprint
 
 
 def recompute_mode(model_args: ModelArgument, training_args: TrainingArguments) -> str | None:

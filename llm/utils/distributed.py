@@ -255,29 +255,107 @@ def tensor_parallel_on_cpu(layout: Layout):
 
 # Sharded (DTensor) entries stay sharded: each rank writes and reads only its own pieces.
 _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
+SHARDED_INDEX = "state.json"  # the non-tensor parts (param_groups, ...) and where each tensor goes
 
 
 def save_sharded_state(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Write model and optimizer state to ``directory`` with torch.distributed.checkpoint (all ranks call it)."""
+    """Write model and optimizer state to ``directory`` (all ranks call it): torch.distributed.checkpoint with
+    its Hugging Face safetensors storage, every rank writing its own shards (``shard-0000R-...safetensors``,
+    each tensor with its offsets in the safetensors header), and the non-tensor parts (the optimizer's
+    param_groups, ...) in ``state.json``. Nothing of it is a pickle, so loading it cannot run code."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    from llm.utils.checkpoints import encode_tree, write_json_atomic
+
     state = {"model": get_model_state_dict(model, options=_OPTIONS)}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=_OPTIONS)
+    tensors: dict[str, torch.Tensor] = {}
+    tree = encode_tree(state, tensors)
+    os.makedirs(directory, exist_ok=True)
+    writer = HuggingFaceStorageWriter(directory, save_distributed=True)
     with _single_process_is_intended():
-        dcp.save(state, checkpoint_id=directory, no_dist=not _distributed())
+        dcp.save(tensors, storage_writer=writer, no_dist=not _distributed())
+    if not _distributed() or dist.get_rank() == 0:
+        write_json_atomic(os.path.join(directory, SHARDED_INDEX), {"format": 1, "tree": tree})
 
 
 def load_sharded_state(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Read what ``save_sharded_state`` wrote, resharded to this run's layout (any number of processes)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from llm.utils.checkpoints import decode_tree, encode_tree, read_json
+
+    _refuse_pickled_format(directory)
+    index_path = os.path.join(directory, SHARDED_INDEX)
+    index = read_json(index_path)
+    if not isinstance(index, dict) or not isinstance(index.get("tree"), dict):
+        raise UserError(f"{index_path}: not a sharded-state index written by this project; the checkpoint is damaged")
+    part = "model" if optimizer is None else "optimizer"
+    saved = index["tree"].get(part)
+    if saved is None:
+        raise UserError(
+            f"{directory}: holds no {part} state (saved with save_only_model?): resume from another checkpoint"
+        )
     if optimizer is None:
-        state = {"model": get_model_state_dict(model, options=_OPTIONS)}
+        target = get_model_state_dict(model, options=_OPTIONS)
+    else:
+        target = get_optimizer_state_dict(model, optimizer, options=_OPTIONS)
+    tensors: dict[str, torch.Tensor] = {}
+    encode_tree({part: target}, tensors)
+    wanted = set(_tensor_keys(saved, part))
+    if set(tensors) != wanted:
+        extra, missing = sorted(wanted - set(tensors)), sorted(set(tensors) - wanted)
+        raise UserError(
+            f"{directory}: the saved {part} state does not fit this model/optimizer "
+            f"(only saved: {extra[:3]}; only here: {missing[:3]}): resume with the settings it was saved with"
+        )
+    try:
         with _single_process_is_intended():
-            dcp.load(state, checkpoint_id=directory, no_dist=not _distributed())
-        set_model_state_dict(model, state["model"], options=_OPTIONS)
-        return
-    state = {"optimizer": get_optimizer_state_dict(model, optimizer, options=_OPTIONS)}
-    with _single_process_is_intended():
-        dcp.load(state, checkpoint_id=directory, no_dist=not _distributed())
-    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=_OPTIONS)
+            dcp.load(tensors, storage_reader=HuggingFaceStorageReader(directory), no_dist=not _distributed())
+    except UserError:
+        raise
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - a damaged or truncated shard
+        first = str(err).strip().splitlines()[-1][:300] if str(err).strip() else ""
+        raise UserError(f"{directory}: cannot read the sharded state ({type(err).__name__}: {first})") from None
+    state = decode_tree(saved, tensors, index_path)
+    if optimizer is None:
+        set_model_state_dict(model, state, options=_OPTIONS)
+    else:
+        set_optimizer_state_dict(model, optimizer, state, options=_OPTIONS)
+
+
+def _tensor_keys(tree, path: str):
+    """The tensor keys ``encode_tree`` gave under ``path`` (as found in a saved tree)."""
+    if isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from _tensor_keys(v, f"{path}/{i}")
+    elif isinstance(tree, dict):
+        if "__tensor__" in tree:
+            yield tree["__tensor__"]
+        elif "__tuple__" in tree:
+            yield from _tensor_keys(tree["__tuple__"], path)
+        elif "__items__" in tree:
+            for k, v in tree["__items__"]:
+                yield from _tensor_keys(v, f"{path}/{k}")
+        else:
+            for k, v in tree.items():
+                yield from _tensor_keys(v, f"{path}/{k}")
+
+
+def _refuse_pickled_format(directory: str) -> None:
+    """The previous format's ``.metadata`` is a pickle (torch.distributed.checkpoint's FileSystemReader unpickles
+    it): never read it."""
+    if not os.path.isdir(directory):
+        raise UserError(f"{directory}: missing; the checkpoint is incomplete: resume from another checkpoint")
+    names = os.listdir(directory)
+    if ".metadata" in names or any(n.endswith(".distcp") for n in names):
+        raise UserError(
+            f"{directory}: written in the older torch.distributed.checkpoint format, whose .metadata file is a "
+            "pickle that could run code when loaded; it is not read. Resume from a checkpoint saved by this "
+            "version (safetensors + JSON), or start the run afresh"
+        )
 
 
 def _distributed() -> bool:

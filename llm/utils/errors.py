@@ -20,12 +20,19 @@ def closest(name: str, candidates: Iterable[str], n: int = 3) -> str:
 def run_cli(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> None:
     """Run an entry point; a UserError prints its message and exits with status 2. A finished distributed run
     meets at a barrier and closes its process group: a rank that exits while another still holds gloo
-    connections to it can make that one abort at interpreter exit (SIGABRT, seen under load in CI)."""
+    connections to it can make that one abort at interpreter exit (SIGABRT, seen under load in CI).
+    A run stopped by SIGTERM before it had anything to save (``llm.utils.preemption.StoppedBySignal``) prints
+    one line and exits with 128 + the signal number, without the barrier (the other ranks stop on their own)."""
+    from llm.utils.preemption import StoppedBySignal
+
     try:
         main(argv)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except StoppedBySignal as err:
+        print(str(err), file=sys.stderr, flush=True)
+        sys.exit(err.exit_code)
     close_process_group()
 
 

@@ -50,4 +50,8 @@ def setup_logging(training_args: transformers.TrainingArguments) -> None:
 
 
 def resume_checkpoint(training_args: transformers.TrainingArguments) -> str | None:
-    return latest_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
+    from llm.utils.fingerprint import training_fingerprint
+
+    value = training_args.resume_from_checkpoint
+    fingerprint = training_fingerprint(training_args) if value else None
+    return latest_checkpoint(value, training_args.output_dir, fingerprint)

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
+import pickle
+import re
 
 import torch
 import transformers
+from safetensors import SafetensorError
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from llm.utils.attention import PACKED_SDPA, RECOMPUTE_CORE_ATTENTION
 from llm.utils.distributed import Layout, distributed_config, place_model
 from llm.utils.errors import UserError
+from llm.utils.paths import tried
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +46,40 @@ def tiny_config(model_type: str, vocab_size: int, **overrides) -> PretrainedConf
     return AutoConfig.for_model(model_type, **kwargs)
 
 
+# What may name a Hugging Face Hub repository (``org/name`` or ``name``); anything else is a local path.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def check_model_dir(path: str, field: str) -> None:
+    """A model or tokenizer path that is not a directory stops the run: a file, or a local path that does
+    not exist (absolute, ``./``, ``~``: not a Hub id), is named with the places looked at. A Hub-id-like
+    name that is not a directory is left to ``from_pretrained`` (the local Hub cache)."""
+    if os.path.isdir(path):
+        return
+    if os.path.exists(path):
+        raise UserError(f"{field} {path!r} is a file, not a model directory: give the directory that holds config.json")
+    if not _HUB_ID.fullmatch(path) or path.startswith("."):
+        raise UserError(
+            f"{field} {path!r}: the directory does not exist (looked in: {tried(path)}); give an existing "
+            "model directory (relative paths are read from the working directory or the repository root)"
+        )
+
+
+def _not_found(field: str, path: str, what: str, err: Exception) -> UserError:
+    if os.path.isdir(path):
+        return UserError(f"{field} {path!r}: cannot load {what} ({err})")
+    return UserError(
+        f"{field} {path!r}: no such directory (looked in: {tried(path)}) and no Hub model of that name in the "
+        f"local cache ({err}); give an existing model directory"
+    )
+
+
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    check_model_dir(path, "tokenizer_name_or_path")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:
-        raise UserError(f"tokenizer_name_or_path {path!r}: cannot load a tokenizer ({err})") from None
+        raise _not_found("tokenizer_name_or_path", path, "a tokenizer", err) from None
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise UserError(f"tokenizer {path!r} has neither a pad nor an eos token: add a pad token")
@@ -76,12 +110,11 @@ def load_model(
     reads only its own shard of a checkpoint. ``recompute`` (``full_attn`` | ``core_attn``): see ``enable_recompute``.
     """
     parallel = distributed_config(layout) if layout is not None else None
-    if not os.path.isdir(path) and not init_from_config and "/" not in path:
-        raise UserError(f"model_name_or_path {path!r}: no such directory")
+    check_model_dir(path, "model_name_or_path")
     try:
         config = AutoConfig.from_pretrained(path, **config_overrides)
     except (OSError, ValueError) as err:
-        raise UserError(f"model_name_or_path {path!r}: cannot read config.json ({err})") from None
+        raise _not_found("model_name_or_path", path, "config.json", err) from None
     if pad_token_id is not None:
         config.pad_token_id = pad_token_id
     transformers.set_seed(seed)
@@ -103,6 +136,13 @@ def load_model(
             model = auto_class.from_pretrained(
                 path, config=config, attn_implementation=attn_implementation, dtype=dtype, **extra
             )
+        except (SafetensorError, OSError, EOFError, json.JSONDecodeError, pickle.UnpicklingError) as err:
+            if not os.path.isdir(path):
+                raise _not_found("model_name_or_path", path, "the weights", err) from None
+            raise UserError(
+                f"{weights_file(path)}: cannot read the weights, the file is corrupt or truncated "
+                f"({type(err).__name__}: {err}); save or download the model again"
+            ) from None
         except ValueError as err:
             if parallel is None:
                 raise
@@ -120,6 +160,12 @@ def load_model(
             "so packed rows cannot be made exact: use a Llama/Mistral/Qwen2-style decoder"
         )
     return model
+
+
+def weights_file(path: str) -> str:
+    """The weights file of model directory ``path`` (the first of ``WEIGHT_FILES`` there), for messages."""
+    found = [os.path.join(path, f) for f in WEIGHT_FILES if os.path.exists(os.path.join(path, f))]
+    return found[0] if found else path
 
 
 def enable_recompute(model: torch.nn.Module, granularity: str) -> None:

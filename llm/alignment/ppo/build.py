@@ -29,6 +29,7 @@ from llm.alignment.ppo.roles import (
     RuleReward,
     TrainableRole,
     ValueUpdate,
+    same_vocabulary,
 )
 from llm.alignment.ppo.trainer import PPOTrainer, Prompt, prompts_from_records
 from llm.data.readers import load_dataset_records
@@ -152,7 +153,7 @@ def build_reward(c: PPOConfig, place: Place) -> RewardFunction:
     if r.type == "rule":
         return RuleReward(r.rule)
     if r.type == "http":
-        return HttpReward(r.url, r.timeout)
+        return HttpReward(r.url, r.timeout, r.max_retries, r.retry_backoff, r.max_response_bytes)
     tok = load_tokenizer(r.tokenizer_name_or_path or r.model_name_or_path)
     if r.type == "orm":
         model = _load(
@@ -235,11 +236,20 @@ def build_rollout(c: PPOConfig, place: Place) -> PolicyModel:
 def build_critic(c: PPOConfig, place: Place) -> CriticRole:
     """Initialised from the reward model when it is an ORM (its backbone and head), else from the actor."""
     tok = actor_tokenizer(c)
+    r = c.reward
     if c.critic.model_name_or_path:
         path, from_config = c.critic.model_name_or_path, c.critic.init_from_config
-    elif c.reward.type == "orm":
-        path, from_config = c.reward.model_name_or_path, c.reward.init_from_config
+    elif r.type == "orm" and same_vocabulary(load_tokenizer(r.tokenizer_name_or_path or r.model_name_or_path), tok):
+        path, from_config = r.model_name_or_path, r.init_from_config
     else:
+        if r.type == "orm":  # the critic reads the actor's token ids: an ORM of another vocabulary cannot
+            logger.warning(
+                "critic: the ORM reward model %s has another tokenizer than the actor's, so the critic starts from "
+                "the actor's model (%s) instead (the reward re-tokenises the text); set critic.model_name_or_path "
+                "to choose another",
+                r.model_name_or_path,
+                c.actor_rollout.model_name_or_path,
+            )
         path, from_config = c.actor_rollout.model_name_or_path, c.actor_rollout.init_from_config
     model = _load(c, AutoModelForSequenceClassification, path, from_config, tok, place, True, num_labels=1)
     return CriticRole(model, tok, c.micro("critic"), _optim(c, model, "critic", place), value_update(c))

@@ -58,6 +58,10 @@ class TrainingSection:
     save_steps: int = _f(0, "a checkpoint every this many steps; 0: none", low=0)
     save_total_limit: int | None = _f(None, "checkpoints kept (the oldest are deleted); null: all", low=1)
     resume_from_checkpoint: str | None = None
+    overwrite_output_dir: bool = _f(
+        False,
+        "train in an output_dir holding another run's results (nothing is deleted); false: such a dir stops the run",
+    )
     bf16: bool = field(
         default=False,
         metadata={
@@ -175,18 +179,45 @@ class RefSection(FrozenModelSection):
     pass
 
 
+def check_reward_url(url: str) -> None:
+    """``reward.url`` must be an http:// or https:// URL with a host (never file://, ftp://, ...)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a bad port
+    except ValueError as err:
+        raise UserError(f"reward.url {url!r} is not a valid URL ({err})") from None
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        raise UserError(
+            f"reward.url {url!r}: only http:// and https:// URLs with a host are allowed (e.g. "
+            "http://127.0.0.1:8000/score)"
+        )
+
+
 @dataclass
 class RewardSection(FrozenModelSection):
     type: str = "rule"  # orm | prm | rule | http
     rule: str = "llm.alignment.ppo.rules:math_exact_match"
-    url: str | None = None
-    timeout: float = _f(30.0, "seconds an HTTP reward call may take", low=0)
+    url: str | None = _f(None, "type http: the scoring server, an http:// or https:// URL (redirects are not followed)")
+    timeout: float = _f(30.0, "seconds one HTTP reward request may take in all (connect, send, whole answer)", low=0)
+    max_retries: int = _f(2, "type http: retries of a failed request (connection error, timeout, 429, 5xx)", low=0)
+    retry_backoff: float = _f(1.0, "type http: seconds before the first retry, doubled before each next one", low=0)
+    max_response_bytes: int = _f(16 * 2**20, "type http: the largest answer read; a longer one is an error", low=1)
     step_separator: str = "\n"
     placeholder_token: str = "ки"
     reward_tokens: str = "+,-"
     prm_aggregation: str = "dense"  # dense | min | last | mean
     normalize_reward: bool = False
     reward_clip: float | None = _f(None, low=0)
+
+    def __post_init__(self) -> None:
+        """What the lower bounds cannot say: the URL scheme and upper bounds (a run must not wait for ever)."""
+        if self.url is not None:
+            check_reward_url(self.url)
+        for name, high in (("max_retries", 10), ("retry_backoff", 60.0), ("max_response_bytes", 2**30)):
+            if getattr(self, name) > high:
+                raise UserError(f"reward.{name} must be at most {high:g}, got {getattr(self, name):g}")
 
 
 @dataclass

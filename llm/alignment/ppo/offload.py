@@ -4,7 +4,7 @@
   device gradients to the host (D2H), steps there, and copies the new weights back (H2D). The device
   then holds only the model's weights and gradients (``training.adam_offload``).
 - ``OffloadedTrainableRole``: a ``TrainableRole`` over a ``HostAdamW``, with checkpoints in the same
-  name-keyed format as the plain role (either loads the other's ``optimizer.pt``).
+  name-keyed format as the plain role (either loads the other's ``optimizer.json`` + ``.safetensors``).
 - ``offload_when_idle``: a frozen role (reference, reward model) sits in host memory between calls and
   moves to its device for each forward (``ref.offload`` / ``reward.offload``).
 
@@ -21,7 +21,13 @@ import os
 import torch
 from torch.distributed.tensor import DTensor
 
-from llm.alignment.ppo.roles import OPTIMIZER_FILE, TrainableRole
+from llm.alignment.ppo.roles import (
+    OPTIMIZER_STATE,
+    TrainableRole,
+    load_optimizer_state,
+    read_safetensors,
+    save_tree,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -110,17 +116,15 @@ class OffloadedTrainableRole(TrainableRole):
         tokenizer.save_pretrained(directory)
         if with_optimizer:
             state = {"optimizer": self.optimizer.state_by_name(self._names()), "scheduler": self.scheduler.state_dict()}
-            torch.save(state, os.path.join(directory, OPTIMIZER_FILE))
+            save_tree(directory, OPTIMIZER_STATE, state)
 
     def load(self, directory: str) -> None:
-        from safetensors.torch import load_file
-
-        weights = load_file(os.path.join(directory, "model.safetensors"))
+        weights = read_safetensors(os.path.join(directory, "model.safetensors"))
         self.model.load_state_dict(weights, strict=False)
         with torch.no_grad():  # the masters follow the loaded weights
             for p, m in zip(self.optimizer.params, self.optimizer.masters):
                 m.copy_(_local(p))
-        state = torch.load(os.path.join(directory, OPTIMIZER_FILE), weights_only=False)
+        state = load_optimizer_state(directory)
         self.optimizer.load_state_by_name(state["optimizer"], self._names())
         self.scheduler.load_state_dict(state["scheduler"])
 

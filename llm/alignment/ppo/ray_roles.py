@@ -56,6 +56,7 @@ import torch.nn.functional as F
 
 from llm.alignment.ppo.config import PPOConfig, ResourcePool
 from llm.alignment.ppo.roles import RoleFailure
+from llm.utils import preemption
 from llm.utils.distributed import share
 from llm.utils.errors import UserError
 
@@ -298,6 +299,26 @@ def _check_fits(ray, groups: list[WorkerGroup]) -> None:
 
 
 @contextlib.contextmanager
+def _sigterm_blocked_in_ray_processes() -> Iterator[None]:
+    """SIGTERM blocked while ``ray.init`` starts the local cluster: its processes (GCS, raylet, and the workers
+    the raylet starts) inherit the mask, as Ray itself starts them with SIGINT blocked. A SIGTERM sent to the
+    whole process group or job (``timeout``, Slurm's scancel) then reaches the driver alone, which finishes the
+    step in progress and saves it before ``ray.shutdown`` stops them (SIGKILL after one second each; they
+    still die with the driver if it is killed). The driver's own mask is restored after."""
+    import signal
+
+    try:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    except (AttributeError, OSError, ValueError):  # no pthread_sigmask on this platform
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+@contextlib.contextmanager
 def ray_roles(c: PPOConfig, names: list[str]) -> Iterator[dict[str, RemoteRole]]:
     """Start (or join) Ray, place the workers, build the roles in them; yield the proxies by role name."""
     ray = import_ray()
@@ -308,12 +329,17 @@ def ray_roles(c: PPOConfig, names: list[str]) -> Iterator[dict[str, RemoteRole]]
     started = not ray.is_initialized()
     if started:
         try:
-            ray.init(address=pool.address, include_dashboard=False)
+            with _sigterm_blocked_in_ray_processes():
+                ray.init(address=pool.address, include_dashboard=False)
+                # ray.init replaced the run's SIGTERM handler with its own (kill the workers, exit 1): put the
+                # run's back (llm.utils.preemption), before a SIGTERM that came meanwhile is delivered.
+                preemption.reassert()
         except ConnectionError as err:
             raise UserError(
                 f"resource_pool.address={pool.address!r}: cannot reach a Ray cluster ({err}); start one with "
                 "`ray start --head --port 6379`, or set address null to start a local one"
             ) from None
+    preemption.reassert()
     groups = worker_groups(pool, names)
     bundles = [b for g in groups for b in g.bundles]
     workers: list = []

@@ -24,12 +24,15 @@ the rollout copy go through full (gathered) state dicts, written by the first ra
 from __future__ import annotations
 
 import contextlib
+import http.client
 import importlib
 import json
 import math
 import os
-import urllib.error
-import urllib.request
+import socket
+import threading
+import time
+import urllib.parse
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +50,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from llm.alignment.lm import full_weight, readout_hidden
 from llm.alignment.ppo.algorithm import kl_estimate, policy_loss, value_loss
+from llm.alignment.ppo.config import check_reward_url
 from llm.alignment.rm.loss import step_scores
 from llm.data.packing import causal_example, collate, pack
 from llm.data.tokenize import prm_response_ids
@@ -502,18 +506,50 @@ class TrainableRole:
         tokenizer.save_pretrained(directory)
         if with_optimizer:
             state = {"optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
-            torch.save(state, os.path.join(directory, OPTIMIZER_FILE))
+            save_tree(directory, OPTIMIZER_STATE, state)
 
     def load(self, directory: str) -> None:
-        from safetensors.torch import load_file
-
-        set_model_state_dict(self.model, load_file(os.path.join(directory, "model.safetensors")), options=FULL)
-        state = torch.load(os.path.join(directory, OPTIMIZER_FILE), weights_only=False)
+        set_model_state_dict(self.model, read_safetensors(os.path.join(directory, "model.safetensors")), options=FULL)
+        state = load_optimizer_state(directory)
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=FULL)
         self.scheduler.load_state_dict(state["scheduler"])
 
 
-OPTIMIZER_FILE = "optimizer.pt"
+# optimizer.json (param_groups, scheduler, ...) + optimizer.safetensors (moments, fp32 masters): nothing pickled
+OPTIMIZER_STATE = "optimizer"
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+def save_tree(directory: str, name: str, obj) -> None:
+    from llm.utils.checkpoints import save_tree as save
+
+    save(directory, name, obj)
+
+
+def read_safetensors(path: str) -> dict:
+    from llm.utils.checkpoints import read_safetensors as read
+
+    return read(path)
+
+
+def load_optimizer_state(directory: str) -> dict:
+    """What ``TrainableRole.save`` wrote (JSON + safetensors; an older pickled optimizer.pt is refused, not read)."""
+    from llm.utils.checkpoints import load_tree
+
+    if not os.path.isfile(os.path.join(directory, f"{OPTIMIZER_STATE}.json")):
+        old = os.path.join(directory, "optimizer.pt")
+        if os.path.isfile(old):
+            raise UserError(
+                f"{old}: an optimizer state pickled by an older version; pickles can run code when loaded, so it is "
+                "not read: resume from a checkpoint saved by this version"
+            )
+        raise UserError(
+            f"{directory}: no {OPTIMIZER_STATE}.json; the checkpoint is incomplete: resume from another one"
+        )
+    state = load_tree(directory, OPTIMIZER_STATE)
+    if not isinstance(state, dict) or not {"optimizer", "scheduler"} <= set(state):
+        raise UserError(f"{directory}/{OPTIMIZER_STATE}.json: not an optimizer state; the checkpoint is damaged")
+    return state
 
 
 class ActorRole(PolicyModel):
@@ -713,14 +749,24 @@ def _check_score(value, where: str) -> float:
 
 
 class RuleReward(RewardFunction):
-    """``module:function(prompt, response, reference) -> float``."""
+    """``module:function(prompt, response, reference) -> float``. The module is imported and the function
+    run in this process: a rule is code the user trusts. Anything it raises (``SystemExit`` and
+    ``KeyboardInterrupt`` included) stops the run with a message naming the function and the sample."""
 
     def __init__(self, spec: str) -> None:
         module_name, _, fn_name = spec.partition(":")
+        if not module_name or not fn_name:
+            raise UserError(f"reward.rule {spec!r}: must be 'package.module:function'")
         try:
             self.fn = getattr(importlib.import_module(module_name), fn_name)
         except (ImportError, AttributeError, ValueError) as err:
             raise UserError(f"reward.rule {spec!r}: cannot import ({err}); use 'package.module:function'") from None
+        except BaseException as err:  # noqa: BLE001 - the module's own code failed while it was imported
+            raise UserError(
+                f"reward.rule {spec!r}: importing {module_name} raised {type(err).__name__}: {err}"
+            ) from None
+        if not callable(self.fn):
+            raise UserError(f"reward.rule {spec!r}: {fn_name} is not a function")
         self.spec = spec
 
     def score(self, samples: Samples) -> RewardOutput:
@@ -728,50 +774,175 @@ class RuleReward(RewardFunction):
         for i in range(len(samples)):
             try:
                 value = self.fn(samples.prompts[i], samples.responses[i], samples.references[i])
-            except Exception as err:  # noqa: BLE001 - any user-code failure is reported with its sample
-                raise UserError(
+            except BaseException as err:  # noqa: BLE001 - any user-code failure (SystemExit too) stops the run here
+                raise RoleFailure(
                     f"reward.rule {self.spec} raised {type(err).__name__}: {err} on sample {i} "
-                    f"(prompt {samples.prompts[i][:80]!r}, response {samples.responses[i][:80]!r})"
+                    f"(prompt {samples.prompts[i][:80]!r}, response {samples.responses[i][:80]!r}); the run stops: "
+                    "fix the function"
                 ) from None
             out.append(_check_score(value, f"reward.rule {self.spec} on sample {i}"))
         return RewardOutput(torch.tensor(out))
 
 
-class HttpReward(RewardFunction):
-    """POST ``{"prompts", "responses", "references"}`` as JSON; expects ``{"scores": [float, ...]}``."""
+class _Retry(Exception):
+    """A reward request that failed in a way worth trying again (connection, timeout, 429, 5xx)."""
 
-    def __init__(self, url: str, timeout: float) -> None:
+
+class HttpReward(RewardFunction):
+    """POST ``{"prompts", "responses", "references", "ended"}`` as JSON (``ended``: the response stopped at
+    EOS); expects ``{"scores": [float, ...]}`` (``llm/serve_reward.py`` serves a trained ORM / PRM so).
+
+    http:// and https:// only; a redirect is an error (never followed: a followed 302 turns the POST into
+    a body-less GET). ``timeout`` bounds each request as a whole (connect, send, every byte of the answer),
+    not each socket read; a failed request (connection error, timeout, 429, 5xx) is retried up to
+    ``max_retries`` times, ``retry_backoff`` seconds before the first retry and twice as long before each
+    next one; an answer over ``max_response_bytes`` is an error. A failure stops the run naming the URL."""
+
+    def __init__(
+        self,
+        url: str,
+        timeout: float,
+        max_retries: int = 2,
+        retry_backoff: float = 1.0,
+        max_response_bytes: int = 16 * 2**20,
+    ) -> None:
+        check_reward_url(url)
         self.url, self.timeout = url, timeout
+        self.max_retries, self.retry_backoff, self.max_response_bytes = max_retries, retry_backoff, max_response_bytes
+        self.parts = urllib.parse.urlsplit(url)
 
     def score(self, samples: Samples) -> RewardOutput:
         body = json.dumps(
-            {"prompts": samples.prompts, "responses": samples.responses, "references": samples.references}
+            {
+                "prompts": samples.prompts,
+                "responses": samples.responses,
+                "references": samples.references,
+                "ended": [bool(e) for e in samples.ended],
+            }
         ).encode()
-        request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
+        failures = []
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(self.retry_backoff * 2 ** (attempt - 1))
+            try:
+                raw = self._post(body)
+                break
+            except _Retry as err:
+                failures.append(str(err))
+        else:
+            raise RoleFailure(
+                f"reward server {self.url} failed {len(failures)} time(s) (reward.max_retries={self.max_retries}): "
+                f"{failures[-1]}; check that it is up, or raise reward.timeout / reward.max_retries"
+            )
+        return RewardOutput(torch.tensor(self._scores(raw, len(samples))))
+
+    def _scores(self, raw: bytes, n: int) -> list[float]:
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as resp:
-                payload = json.loads(resp.read().decode())
-        except (urllib.error.URLError, TimeoutError, OSError) as err:
-            reason = getattr(err, "reason", err)
-            raise UserError(
-                f"reward server {self.url} failed: {reason} (timeout {self.timeout}s); check that it "
-                "is up, or raise reward.timeout"
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise RoleFailure(f"reward server {self.url} answered a body that is not UTF-8 text ({err})") from None
+        try:
+            payload = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise RoleFailure(
+                f"reward server {self.url} did not answer JSON ({err.msg} at position {err.pos}; the body begins "
+                f"{text[:80]!r})"
             ) from None
-        except json.JSONDecodeError:
-            raise UserError(f"reward server {self.url} did not answer JSON") from None
         scores = payload.get("scores") if isinstance(payload, dict) else None
-        if not isinstance(scores, list) or len(scores) != len(samples):
-            raise UserError(f'reward server {self.url} must answer {{"scores": [...]}} with {len(samples)} numbers')
-        return RewardOutput(torch.tensor([_check_score(s, f"reward server sample {i}") for i, s in enumerate(scores)]))
+        if not isinstance(scores, list) or len(scores) != n:
+            got = f"{len(scores)} scores" if isinstance(scores, list) else f"{text[:80]!r}"
+            raise RoleFailure(
+                f'reward server {self.url} must answer {{"scores": [...]}} with {n} numbers (one per sample), got {got}'
+            )
+        return [_check_score(s, f"reward server {self.url} for sample {i}") for i, s in enumerate(scores)]
+
+    def _post(self, body: bytes) -> bytes:
+        """One request within ``timeout`` seconds in all: the body of a 2xx answer, ``_Retry`` for a failure
+        worth retrying, RoleFailure for one that is not (a redirect, another 4xx, an over-long answer)."""
+        p = self.parts
+        cls = http.client.HTTPSConnection if p.scheme.lower() == "https" else http.client.HTTPConnection
+        conn = cls(p.hostname, p.port, timeout=self.timeout)
+        deadline = time.monotonic() + self.timeout
+        expired, opened = threading.Event(), []
+
+        def expire() -> None:  # the one deadline: a socket timeout alone bounds each read, not the request
+            expired.set()
+            for sock in opened:
+                with contextlib.suppress(OSError):
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+        timer = threading.Timer(self.timeout, expire)
+        timer.daemon = True
+        timer.start()
+        path = (p.path or "/") + (f"?{p.query}" if p.query else "")
+        try:
+            conn.connect()
+            opened.append(conn.sock)  # kept: the connection lets go of it once the answer will close it
+            if expired.is_set():
+                raise TimeoutError
+            conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            status = resp.status
+            if 300 <= status < 400:
+                raise RoleFailure(
+                    f"reward server {self.url} answered {status} {resp.reason} redirecting to "
+                    f"{resp.getheader('Location')!r}: redirects are not followed (a redirected POST loses its "
+                    "body); set reward.url to the final address"
+                )
+            if status == 429 or status >= 500:
+                raise _Retry(f"HTTP {status} {resp.reason}")
+            if status >= 400 or status < 200:
+                snippet = resp.read1(200).decode("utf-8", "replace") if not expired.is_set() else ""
+                raise RoleFailure(f"reward server {self.url} answered HTTP {status} {resp.reason}: {snippet!r}")
+            limit = self.max_response_bytes
+            length = resp.getheader("Content-Length")
+            if length is not None and length.isdigit() and int(length) > limit:
+                raise RoleFailure(
+                    f"reward server {self.url} answered {int(length)} bytes, more than reward.max_response_bytes="
+                    f"{limit}"
+                )
+            chunks, size = [], 0
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or expired.is_set():
+                    raise TimeoutError
+                opened[0].settimeout(left)
+                chunk = resp.read1(min(65536, limit + 1 - size))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > limit:
+                    raise RoleFailure(
+                        f"reward server {self.url} answered more than reward.max_response_bytes={limit} bytes"
+                    )
+            if expired.is_set():
+                raise TimeoutError
+            return b"".join(chunks)
+        except (RoleFailure, _Retry):
+            raise
+        except (OSError, http.client.HTTPException, ValueError) as err:
+            if expired.is_set() or isinstance(err, TimeoutError):
+                raise _Retry(f"no complete answer in time (timeout {self.timeout:g}s for the whole request)") from None
+            raise _Retry(f"{type(err).__name__}: {err}") from None
+        finally:
+            timer.cancel()
+            conn.close()
+
+
+def same_vocabulary(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> bool:
+    """Whether token ids of ``a`` mean the same in ``b`` (then a model of ``b`` can read ``a``'s ids)."""
+    return a is b or a.get_vocab() == b.get_vocab()
 
 
 def _retokenise(samples: Samples, actor_tok: PreTrainedTokenizerBase, tok: PreTrainedTokenizerBase):
     """Token ids for a reward model: the actor's own when vocabularies agree, else re-tokenised text."""
-    if actor_tok.get_vocab() == tok.get_vocab():
+    if same_vocabulary(actor_tok, tok):
         return samples.prompt_ids, samples.response_ids
     prompts = [tok(p)["input_ids"] for p in samples.prompts]
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     responses = [
-        tok(r, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] * bool(samples.ended[i])
+        tok(r, add_special_tokens=False)["input_ids"] + eos * bool(samples.ended[i])
         for i, r in enumerate(samples.responses)
     ]
     return prompts, responses

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import random
-import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -49,6 +48,7 @@ from llm.alignment.ppo.roles import (
 )
 from llm.data.readers import PromptRecord
 from llm.data.tokenize import render_prompt
+from llm.utils import preemption
 from llm.utils.errors import UserError
 
 if TYPE_CHECKING:
@@ -329,16 +329,33 @@ class PPOTrainer:
         self._open_writer()
         from tqdm.auto import tqdm
 
+        # SIGTERM (llm.utils.preemption): before this run's first step has completed it stops the run at once;
+        # after that the step in progress finishes, a checkpoint is saved and train() returns (exit 0).
+        preemption.reassert()  # ray.init installs its own SIGTERM handler (it kills the workers and exits 1)
         bar = tqdm(total=t.max_steps, initial=self.step, disable=t.disable_tqdm, desc="ppo")
         try:
             while self.step < t.max_steps:
                 metrics = self.train_step()
+                preemption.step_completed()
                 bar.update(1)
                 bar.set_postfix(score=f"{metrics['score']:.3f}", kl=f"{metrics['kl']:.3f}")
                 if self.step % t.logging_steps == 0 or self.step == t.max_steps:
                     self.log(metrics)
-                if t.save_steps and self.step % t.save_steps == 0:
+                saved = bool(t.save_steps and self.step % t.save_steps == 0)
+                if saved:
                     self.save_checkpoint()
+                signum = preemption.stop_requested()
+                if signum is not None and self.step < t.max_steps:
+                    if not saved:
+                        self.save_checkpoint()
+                    logger.warning(
+                        "stopped by signal %d after step %d: saved %s; resume with resume_from_checkpoint auto",
+                        signum,
+                        self.step,
+                        self.last_checkpoint,
+                    )
+                    return self.log_history
+            preemption.training_finished()
             self.save_final()
         except RoleFailure as err:
             # The surviving roles may be mid-update: the last checkpoint is the consistent state to resume.
@@ -376,46 +393,99 @@ class PPOTrainer:
             self.critic.save(os.path.join(directory, "critic"), with_optimizer)
 
     def save_checkpoint(self) -> str:
-        """``checkpoint-N/``: actor and critic in Hugging Face format with their optimizer state, and
-        ``trainer_state.pt``. Roles in other processes write their own parts (a shared filesystem)."""
-        directory = os.path.join(self.c.training.output_dir, f"checkpoint-{self.step}")
-        self._save_models(directory, with_optimizer=True)
+        """``checkpoint-N/``: actor and critic in Hugging Face format with their optimizer state (JSON +
+        safetensors), and ``trainer_state.json``. Written into ``checkpoint-N.partial`` (roles in other
+        processes write their own parts there: a shared filesystem), then the ``checkpoint.json`` marker, then
+        renamed into place (``llm.utils.checkpoints``): a cut save leaves no ``checkpoint-N``."""
+        from llm.utils.checkpoints import begin_checkpoint, finish_checkpoint, save_tree
+
+        final = os.path.join(self.c.training.output_dir, f"checkpoint-{self.step}")
+        partial = begin_checkpoint(final, is_main=True)
+        self._save_models(partial, with_optimizer=True)
+        missing = [part for part in self._checkpoint_parts() if not os.path.isdir(os.path.join(partial, part))]
+        if missing:
+            raise UserError(
+                f"{partial}: the save of {', '.join(missing)} wrote nothing there (with Ray every role's process must "
+                "see output_dir: a shared filesystem); the checkpoint is left incomplete"
+            )
         state = {
             "step": self.step,
             "kl_coef": self.kl_ctl.value,
             "moments": (self.moments.mean, self.moments.var, self.moments.count),
             "log_history": self.log_history,
         }
-        torch.save(state, os.path.join(directory, "trainer_state.pt"))
-        self.last_checkpoint = directory
+        save_tree(partial, "trainer_state", state)
+        finish_checkpoint(partial, final, self.step, self.run_fingerprint)
+        self.last_checkpoint = final
         self._prune()
-        return directory
+        return final
+
+    @property
+    def run_fingerprint(self):
+        """``llm.utils.fingerprint.run_fingerprint`` of this run's config (computed once)."""
+        if getattr(self, "_run_fingerprint", None) is None:
+            from llm.utils.fingerprint import run_fingerprint
+
+            self._run_fingerprint = run_fingerprint(self.c)
+        return self._run_fingerprint
+
+    def _checkpoint_parts(self) -> list[str]:
+        return ["actor"] + (["critic"] if self.critic is not None else [])
 
     def _prune(self) -> None:
-        limit = self.c.training.save_total_limit
-        if not limit:
-            return
-        out = self.c.training.output_dir
-        ckpts = sorted((d for d in os.listdir(out) if d.startswith("checkpoint-")), key=lambda d: int(d.split("-")[1]))
-        for d in ckpts[:-limit]:
-            shutil.rmtree(os.path.join(out, d))
+        """``save_total_limit``: the newest complete checkpoints of this run are kept; incomplete ones and
+        other runs' are neither counted nor deleted."""
+        from llm.utils.checkpoints import rotate_checkpoints
+
+        rotate_checkpoints(
+            self.c.training.output_dir,
+            self.c.training.save_total_limit,
+            self.run_fingerprint,
+            keep=(self.last_checkpoint,),
+        )
 
     def save_final(self) -> None:
         self._save_models(self.c.training.output_dir, with_optimizer=False)
         with open(os.path.join(self.c.training.output_dir, "log_history.json"), "w", encoding="utf-8") as f:
             json.dump(self.log_history, f, indent=1)
 
+    @property
+    def finished(self) -> bool:
+        """The run is at its last step (resumed from its final checkpoint): nothing to train."""
+        return self.step >= self.c.training.max_steps
+
     def load_checkpoint(self, directory: str) -> None:
+        from llm.utils.checkpoints import load_tree
+
+        for part in self._checkpoint_parts():
+            if not os.path.isdir(os.path.join(directory, part)):
+                raise UserError(f"{directory}: no {part}/ in it; the checkpoint is incomplete: resume from another one")
+        if not os.path.isfile(os.path.join(directory, "trainer_state.json")):
+            old = os.path.join(directory, "trainer_state.pt")
+            why = (
+                f"{old} was pickled by an older version and is not read (a pickle can run code when loaded)"
+                if os.path.isfile(old)
+                else "it has no trainer_state.json"
+            )
+            raise UserError(f"{directory}: {why}: resume from a checkpoint saved by this version")
+        state = load_tree(directory, "trainer_state")
+        try:
+            step, kl_coef = int(state["step"]), float(state["kl_coef"])
+            mean, var, count = state["moments"]
+            log_history = list(state["log_history"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise UserError(
+                f"{directory}/trainer_state.json: not a PPO trainer state ({err}); the checkpoint is damaged"
+            ) from None
         self.actor.load(os.path.join(directory, "actor"))
         if self.critic is not None:
             self.critic.load(os.path.join(directory, "critic"))
         if self.rollout_copy is not None:
             self.rollout_copy.sync_from(self.actor)
-        state = torch.load(os.path.join(directory, "trainer_state.pt"), weights_only=False)
-        self.step = state["step"]
-        self.kl_ctl.value = state["kl_coef"]
-        self.moments.mean, self.moments.var, self.moments.count = state["moments"]
-        self.log_history = state["log_history"]
+        self.step = step
+        self.kl_ctl.value = kl_coef
+        self.moments.mean, self.moments.var, self.moments.count = mean, var, count
+        self.log_history = log_history
         self.last_checkpoint = directory
         logger.info("resumed from %s at step %d", directory, self.step)
 

@@ -1,0 +1,307 @@
+"""A stable fingerprint of what a run trains, stored with each checkpoint (``checkpoint-N/checkpoint.json``).
+
+Two runs with the same fingerprint train the same model from the same data with the same hyper-parameters,
+so one may resume the other's checkpoints. Fingerprinted: the model and tokenizer paths, the training data
+(each path with the size and a SHA-256 of each file's content: sampled for files over 64 MiB), every training
+hyper-parameter, the global batch size. Not fingerprinted: where and how the run writes, logs, evaluates and
+stops (output_dir, resume_from_checkpoint, logging/saving/eval settings, max_steps, num_train_epochs,
+report_to, dataloader workers, the dev set) and how it is laid out over processes and memory (the
+per-device batch and accumulation split of the same global batch, sharding, tensor parallelism, recompute,
+offload, the PPO resource pool), since a checkpoint resumes under any of those.
+
+``run_fingerprint(model_args, data_args, training_args)`` (the flat scripts) or ``run_fingerprint(ppo_config)``
+returns a ``Fingerprint``: ``digest`` (hex) and ``values`` (the readable dict it hashes);
+``differing_fields(a, b)`` names the fields two ``values`` dicts disagree on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+FINGERPRINT_VERSION = 1
+
+# Files up to this size are hashed whole; larger ones by a few sampled blocks (plus their size).
+_FULL_HASH_LIMIT = 64 << 20
+_SAMPLE_BLOCK = 4 << 20
+
+# Fields of model/data (and any other non-TrainingArguments) dataclasses that do not change what is trained.
+_EXCLUDED = {
+    "output_dir",
+    "overwrite_output_dir",
+    "resume_from_checkpoint",
+    "dev_dataset_path",
+    "use_flash_attention",
+    "flash_mask",
+    "recompute_granularity",
+    "virtual_pp_degree",
+    "benchmark",
+    "autotuner_benchmark",
+}
+
+# transformers.TrainingArguments fields that change what is trained (an allow-list: its many other fields
+# are about logging, saving, evaluation, hubs, devices and data loading).
+_HF_TRAINING_FIELDS = (
+    "learning_rate",
+    "lr_scheduler_type",
+    "lr_scheduler_kwargs",
+    "warmup_steps",
+    "optim",
+    "optim_args",
+    "optim_target_modules",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "max_grad_norm",
+    "label_smoothing_factor",
+    "neftune_noise_alpha",
+    "bf16",
+    "fp16",
+    "tf32",
+    "seed",
+    "data_seed",
+    "full_determinism",
+    "average_tokens_across_devices",
+    "train_sampling_strategy",
+    "dataloader_drop_last",
+)
+
+# Fields our TrainingArguments subclasses add that do not change what is trained.
+_EXCLUDED_OWN_TRAINING = {
+    "overwrite_output_dir",
+    "evaluation_strategy",
+    "warmup_ratio",  # folded into warmup_steps
+    "tensor_parallel_degree",
+    "sharding_parallel_degree",
+    "sharding",
+    "recompute",
+    "unified_checkpoint",
+    "config_notes",
+}
+
+# PPO: "section.field" (or "section.*") that do not change what is trained.
+_PPO_EXCLUDED = {
+    "training.output_dir",
+    "training.overwrite_output_dir",
+    "training.resume_from_checkpoint",
+    "training.max_steps",
+    "training.logging_steps",
+    "training.save_steps",
+    "training.save_total_limit",
+    "training.report_to",
+    "training.disable_tqdm",
+    "training.gradient_checkpointing",
+    "training.adam_offload",
+    "training.micro_batch_size",
+    "actor_rollout.micro_batch_size",
+    "actor_rollout.gather_weights_for_generation",
+    "critic.micro_batch_size",
+    "ref.micro_batch_size",
+    "ref.offload",
+    "reward.micro_batch_size",
+    "reward.offload",
+    "reward.timeout",
+    "resource_pool.*",
+}
+
+# Fields whose value is a (comma-separated list of) data file(s) or directories: fingerprinted by content.
+_DATA_FIELDS = {"train_dataset_path", "data.train_dataset_path"}
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    digest: str  # hex SHA-256 of ``values``
+    values: dict[str, Any]  # field name -> JSON value (data paths: path, size and content hash of each file)
+
+    def __str__(self) -> str:
+        return self.digest
+
+
+def run_fingerprint(*configs: Any) -> Fingerprint:
+    """The fingerprint of a run: ``run_fingerprint(model_args, data_args, training_args)`` for the flat scripts,
+    ``run_fingerprint(ppo_config)`` for PPO."""
+    values = fingerprint_values(*configs)
+    text = json.dumps({"version": FINGERPRINT_VERSION, "values": values}, sort_keys=True, ensure_ascii=True)
+    return Fingerprint(hashlib.sha256(text.encode()).hexdigest(), values)
+
+
+def fingerprint_values(*configs: Any) -> dict[str, Any]:
+    if len(configs) == 1 and _is_ppo_config(configs[0]):
+        return _ppo_values(configs[0])
+    values: dict[str, Any] = {}
+    for args in configs:
+        values.update(_flat_values(args))
+    return dict(sorted(values.items()))
+
+
+def differing_fields(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Fields whose values differ (or that only one side has), as ``name (saved -> now)`` texts, sorted."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
+        if _canonical(a) != _canonical(b):
+            out.append(f"{key} ({_short(a)} -> {_short(b)})")
+    return out
+
+
+# --- the flat scripts ---------------------------------------------------------------------------------
+def _flat_values(args: Any) -> dict[str, Any]:
+    import transformers
+
+    if isinstance(args, transformers.TrainingArguments):
+        hf = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+        names = [n for n in _HF_TRAINING_FIELDS if n in hf]
+        names += [
+            f.name
+            for f in dataclasses.fields(args)
+            if f.init and f.name not in hf and f.name not in _EXCLUDED_OWN_TRAINING
+        ]
+        values = {n: _json_value(getattr(args, n)) for n in names}
+        values["global_train_batch_size"] = _global_batch(args)
+        return values
+    if not dataclasses.is_dataclass(args):
+        raise TypeError(f"run_fingerprint: expected argument dataclasses or a PPOConfig, got {type(args).__name__}")
+    out = {}
+    for f in dataclasses.fields(args):
+        if not f.init or f.name in _EXCLUDED:
+            continue
+        value = getattr(args, f.name)
+        out[f.name] = _data_value(value) if f.name in _DATA_FIELDS else _json_value(_local_path(f.name, value))
+    return out
+
+
+def _global_batch(args: Any) -> int:
+    """per_device_train_batch_size x gradient_accumulation_steps x data-parallel processes: the same global
+    batch split another way trains the same model (losses are normalised by the global item count)."""
+    try:
+        dp = args.layout.dp
+    except Exception:  # noqa: BLE001 - a layout problem is reported by validate_arguments, not here
+        dp = int(os.environ.get("WORLD_SIZE", "1"))
+    return int(args.per_device_train_batch_size) * int(args.gradient_accumulation_steps) * dp
+
+
+# --- PPO --------------------------------------------------------------------------------------------
+def _is_ppo_config(config: Any) -> bool:
+    return dataclasses.is_dataclass(config) and hasattr(config, "training") and hasattr(config, "actor_rollout")
+
+
+def _ppo_values(config: Any) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        section = getattr(config, f.name)
+        if not dataclasses.is_dataclass(section) or f"{f.name}.*" in _PPO_EXCLUDED:
+            continue  # source, notes
+        _section_values(f.name, section, values)
+    return dict(sorted(values.items()))
+
+
+def _section_values(prefix: str, section: Any, values: dict[str, Any]) -> None:
+    for f in dataclasses.fields(section):
+        key = f"{prefix}.{f.name}"
+        if key in _PPO_EXCLUDED:
+            continue
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            _section_values(key, value, values)
+        elif key in _DATA_FIELDS:
+            values[key] = _data_value(value)
+        else:
+            values[key] = _json_value(_local_path(f.name, value))
+
+
+# --- values -----------------------------------------------------------------------------------------
+def _local_path(name: str, value: Any) -> Any:
+    """A model/tokenizer path that exists here, as an absolute path (the same run launched from another
+    working directory); anything else (a hub id) as is."""
+    if name.endswith("_name_or_path") and isinstance(value, str) and value and os.path.exists(value):
+        return os.path.realpath(value)
+    return value
+
+
+def _json_value(value: Any) -> Any:
+    """A JSON-able, deterministic form of a config value."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _json_value(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if hasattr(value, "value") and type(value).__module__ != "builtins":  # enums (lr_scheduler_type, optim)
+        return _json_value(value.value)
+    return str(value)
+
+
+def _data_value(value: Any) -> Any:
+    """A data path field: for each comma-separated path, the path with the size and content hash of its file(s)."""
+    if not isinstance(value, str) or not value:
+        return _json_value(value)
+    return [_path_entry(p.strip()) for p in value.split(",") if p.strip()]
+
+
+def _path_entry(path: str) -> dict[str, Any]:
+    if os.path.exists(path):
+        path = os.path.realpath(path)
+    if os.path.isfile(path):
+        return {"path": path, **_file_digest(path)}
+    if os.path.isdir(path):
+        files = []
+        for root, dirs, names in os.walk(path):
+            dirs.sort()
+            for name in sorted(names):
+                full = os.path.join(root, name)
+                files.append({"file": os.path.relpath(full, path), **_file_digest(full)})
+        return {"path": path, "files": files}
+    return {"path": path, "missing": True}
+
+
+def _file_digest(path: str) -> dict[str, Any]:
+    size = os.path.getsize(path)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= _FULL_HASH_LIMIT:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+            return {"size": size, "sha256": h.hexdigest()}
+        for offset in (0, (size - _SAMPLE_BLOCK) // 2, size - _SAMPLE_BLOCK):
+            f.seek(offset)
+            h.update(f.read(_SAMPLE_BLOCK))
+    return {"size": size, "sha256_sampled": h.hexdigest()}
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    if isinstance(value, list) and value and all(isinstance(v, dict) and "path" in v for v in value):
+        text = ", ".join(
+            f"{v['path']} [{v.get('size', '?')} bytes, sha256 {str(v.get('sha256') or v.get('sha256_sampled') or '-')[:12]}]"
+            for v in value
+        )
+    else:
+        text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# --- the flat scripts' arguments, remembered for the trainer --------------------------------------------
+def remember_run_arguments(model_args: Any, data_args: Any, training_args: Any) -> None:
+    """Keep the model and data arguments with ``training_args`` (the one object every trainer and entry point
+    sees), so ``training_fingerprint`` covers all three. Called by ``validate_arguments``."""
+    object.__setattr__(training_args, "run_arguments", (model_args, data_args))
+
+
+def training_fingerprint(training_args: Any) -> Fingerprint:
+    """The fingerprint of a flat-script run from its ``training_args`` (with the model and data arguments that
+    ``remember_run_arguments`` attached; a trainer built without them: the training arguments alone)."""
+    others = getattr(training_args, "run_arguments", None) or ()
+    return run_fingerprint(*others, training_args)
