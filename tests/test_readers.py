@@ -808,3 +808,64 @@ def test_lazy_parquet_reads_by_batches(tmp_path, monkeypatch):
     assert next(it).reference == "0"
     assert seen == [100]
     assert [r.reference for r in it] == [str(i) for i in range(1, 3000)]
+
+
+# --- evaluation layouts: ProcessBench and best-of-N candidates -------------------------------------------
+def test_processbench_records(tmp_path):
+    recs = [
+        {
+            "id": "gsm8k-0",
+            "generator": "Qwen2-7B-Instruct",
+            "problem": "P?",
+            "steps": ["a", "b", "c", "d"],
+            "final_answer_correct": False,
+            "label": 1,
+        },
+        {
+            "id": "math-12",
+            "generator": "g",
+            "problem": "Q?",
+            "steps": ["x", "y"],
+            "final_answer_correct": True,
+            "label": -1,
+        },
+        {"id": "x", "problem": "R?", "steps": ["z"], "label": 0, "subset": "omnimath"},
+    ]
+    a, b, c = read_records(write_jsonl(tmp_path / "pb.jsonl", recs), "prm")
+    assert a.prompt == [{"role": "user", "content": "P?"}] and a.steps == ["a", "b", "c", "d"]
+    assert a.labels == ["+", "-", None, None] and a.first_error == 1 and a.subset == "gsm8k"
+    assert a.generator == "Qwen2-7B-Instruct" and a.correct is None  # no answer: not a best-of-N candidate
+    assert b.labels == ["+", "+"] and b.first_error == -1 and b.subset == "math"
+    assert c.labels == ["-"] and c.subset == "omnimath"
+
+
+@pytest.mark.parametrize(
+    "record, field, text",
+    [
+        ({"problem": "P", "steps": ["a"], "label": 1}, "'label'", "index of the earliest wrong step (0 to 0) or -1"),
+        ({"problem": "P", "steps": ["a"], "label": True}, "'label'", "earliest wrong step"),
+        ({"problem": "P", "steps": ["a"]}, "'label'", "ProcessBench"),
+        ({"src": "q", "responses": ["a"], "answer": "3"}, "'correct'", "needs both answer and correct"),
+        ({"src": "q", "responses": ["a"], "answer": "3", "correct": "yes"}, "'correct'", "true or false"),
+        ({"src": "q", "responses": ["a"], "correct": True}, "'answer'", "needs both"),
+        ({"src": "q", "responses": ["a"]}, "'labels'", "missing required field"),
+    ],
+)
+def test_bad_evaluation_records(tmp_path, record, field, text):
+    with pytest.raises(UserError) as exc:
+        read_records(write_jsonl(tmp_path / "bad.jsonl", [record]), "prm")
+    msg = str(exc.value)
+    assert f"field {field}" in msg and text in msg and "Fix:" in msg
+
+
+def test_best_of_n_candidates_group_by_question_and_may_be_unlabelled(tmp_path):
+    recs = [
+        {"src": "Q1", "responses": ["a", "b"], "answer": 3, "correct": True},
+        {"src": "Q1", "responses": ["c"], "answer": "4", "correct": False, "labels": ["-"]},
+        {"src": "Q2", "responses": ["d"], "answer": "4", "correct": False, "group": "g2"},
+        {"problem": "P", "steps": ["a"], "label": -1, "answer": "9", "final_answer_correct": True},
+    ]
+    r1, r2, r3, r4 = read_records(write_jsonl(tmp_path / "bon.jsonl", recs), "prm")
+    assert r1.labels == [None, None] and r1.answer == "3" and r1.correct is True
+    assert r2.labels == ["-"] and r1.group == r2.group != r3.group == "g2"
+    assert (r4.answer, r4.correct, r4.group) == ("9", True, "P")  # ProcessBench's final_answer_correct

@@ -397,3 +397,79 @@ def test_custom_reward_tokens_label_the_scores_file_and_the_metrics(tmp_path):
     right = [(s > 0.5) == (lab == "a") for row in rows for s, lab in zip(row["step_scores"], row["labels"])]
     results = read_json(out / "eval_results.json")
     assert results["eval_step_accuracy"] == pytest.approx(sum(right) / len(right))
+
+
+def test_eval_only_processbench_metrics_equal_what_the_step_scores_imply(tmp_path):
+    """The bundled ProcessBench-format file, eval-only: the reported acc_error / acc_correct / F1 (overall,
+    per subset, per generator) are recomputed here from eval_scores.jsonl's own step scores, with the
+    prediction rule written out (first step below the threshold); and at the tuned threshold on 'short'."""
+    from llm.alignment.rm.evaluation import f1
+
+    dev = os.path.join(SAMPLE, "processbench_dev.jsonl")
+    main([config(tmp_path, dev_dataset_path=dev, do_train=False, do_eval=True, prm_threshold=0.5)])
+    out = tmp_path / "out"
+    rows = read_jsonl(out / "eval_scores.jsonl")
+    results = read_json(out / "eval_results.json")
+    assert len(rows) == 120 and all(len(r["step_scores"]) == len(r["labels"]) for r in rows)
+
+    def predicted(scores, t):
+        for i, s in enumerate(scores):
+            if s < t:
+                return i
+        return -1
+
+    def expect(rows, t):
+        err = [predicted(r["step_scores"], t) == r["first_error"] for r in rows if r["first_error"] >= 0]
+        ok = [predicted(r["step_scores"], t) == -1 for r in rows if r["first_error"] < 0]
+        return sum(err) / len(err), sum(ok) / len(ok), f1(sum(err) / len(err), sum(ok) / len(ok))
+
+    for r in rows:
+        assert r["predicted_first_error"] == predicted(r["step_scores"], 0.5)
+    got = [results[f"eval_processbench_{k}"] for k in ("acc_error", "acc_correct", "f1")]
+    assert got == pytest.approx(expect(rows, 0.5))
+    for subset in ("short", "long"):
+        part = [r for r in rows if r["source"] and r["index"] is not None and _subset(r) == subset]
+        assert results[f"eval_processbench_{subset}_f1"] == pytest.approx(expect(part, 0.5)[2])
+    mean = (results["eval_processbench_short_f1"] + results["eval_processbench_long_f1"]) / 2
+    assert results["eval_processbench_mean_f1"] == pytest.approx(mean)
+    assert "eval_processbench_generator_sampler_a_f1" in results
+    # labels: + before the first error, - at it, none after
+    for r in rows:
+        e = r["first_error"]
+        assert r["labels"] == (
+            ["+"] * len(r["labels"]) if e < 0 else ["+"] * e + ["-"] + [None] * (len(r["labels"]) - e - 1)
+        )
+
+
+def _subset(row):
+    with open(row["source"], encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if i == row["index"]:
+                return json.loads(line)["id"].split("-")[0]
+    raise AssertionError(row)
+
+
+def test_eval_only_best_of_n_metrics_and_plot(tmp_path):
+    """The bundled best-of-N groups (24 problems x 8 unlabelled candidates): pass@N and majority vote follow
+    from the data alone; best-of-N with min from the scores file; the plot is written."""
+    from llm.alignment.rm.evaluation import Candidate, best_of_n_metrics
+
+    dev = os.path.join(SAMPLE, "bon_dev.jsonl")
+    main([config(tmp_path, dev_dataset_path=dev, do_train=False, do_eval=True, seed=7)])
+    out = tmp_path / "out"
+    rows = read_jsonl(out / "eval_scores.jsonl")
+    results = read_json(out / "eval_results.json")
+    assert (out / "eval_best_of_n.png").stat().st_size > 1000
+    recs = read_jsonl(dev)
+    groups = {}
+    for row in rows:
+        rec = recs[row["index"]]
+        assert all(lab is None for lab in row["labels"])  # unlabelled candidates
+        groups.setdefault(rec["group"], []).append(Candidate(row["step_scores"], rec["answer"], rec["correct"]))
+    expected = best_of_n_metrics(groups, ["min", "product", "last", "mean"], seed=7)
+    for key in ("pass@8", "majority_vote@8", "bon_min@1", "bon_min@8", "weighted_vote_mean@4"):
+        assert results[f"eval_{key}"] == pytest.approx(expected[key]), key
+    assert results["eval_pass@8"] == pytest.approx(
+        sum(any(r["correct"] for r in recs if r["group"] == g) for g in groups) / 24
+    )
+    assert results["eval_bon_min@1"] <= results["eval_pass@8"]

@@ -15,7 +15,7 @@ from llm.data import make_sample_data
 from llm.utils import tokenizer_assets
 
 SAMPLE_DIR = make_sample_data.SAMPLE_DIR
-SAMPLE_FILES = ["prm_train", "prm_dev", "pairs_train", "pairs_dev", "prompts"]
+SAMPLE_FILES = ["prm_train", "prm_dev", "pairs_train", "pairs_dev", "prompts", "processbench_dev", "bon_dev"]
 PLACEHOLDER = "ки"
 
 

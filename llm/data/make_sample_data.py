@@ -56,6 +56,8 @@ N_PRM_DEV = 300
 N_PAIRS_TRAIN = 800
 N_PAIRS_DEV = 200
 N_PROMPTS = 300
+N_PROCESSBENCH = 120  # the first prm_dev records in ProcessBench's format
+N_BON_GROUPS, N_BON_PER_GROUP = 24, 8  # best-of-N: problems x sampled solutions
 P_WRONG = 0.5  # share of PRM solutions that carry an error
 P_MULTI_TURN = 0.1  # share of pair records with a two-turn history
 MAX_VALUE = 99  # every shown number stays in [0, MAX_VALUE]
@@ -466,6 +468,52 @@ def make_prm(
     return records, kinds
 
 
+def make_processbench(prm_records: list[dict], n: int) -> list[dict]:
+    """``prm_records`` in ProcessBench's format: ``label`` is the index of the first ``-`` step (-1 when
+    there is none); the subset, in the ``id`` (``short-3``), is ``short`` for at most three steps and ``long``
+    above; two made-up generator names alternate."""
+    out = []
+    for i, rec in enumerate(prm_records[:n]):
+        label = next((j for j, lab in enumerate(rec["labels"]) if lab == "-"), -1)
+        subset = "short" if len(rec["responses"]) <= 3 else "long"
+        out.append(
+            {
+                "id": f"{subset}-{i}",
+                "generator": ("sampler-a", "sampler-b")[i % 2],
+                "problem": rec["src"][0],
+                "steps": rec["responses"],
+                "final_answer_correct": label == -1,
+                "label": label,
+            }
+        )
+    return out
+
+
+def make_best_of_n(rng: random.Random, groups: int, per_group: int, seen: set[str]) -> list[dict]:
+    """``groups`` problems with ``per_group`` sampled solutions each, every one right or wrong at random
+    (an error of the PRM mix), as unlabelled PaddleNLP PRM records with ``group``, ``answer`` (the shown
+    final answer) and ``correct`` (that answer equals the right one)."""
+    out: list[dict] = []
+    while len(out) < groups * per_group:
+        problem = rng.choice(_TEMPLATES)(rng)
+        right = _render(problem, None)
+        if problem.question in seen or right is None:
+            continue
+        group = []
+        for _ in range(per_group * 20):
+            # wrong ones with an error of the PRM mix, the kind the tiny demo PRM learns to spot
+            steps, _, answer = _solve_prm(rng, problem)[:3] if rng.random() < 0.5 else right
+            group.append({"responses": steps, "answer": str(answer), "correct": answer == right[2]})
+            if len(group) == per_group:
+                break
+        if len(group) < per_group:
+            continue
+        seen.add(problem.question)
+        k = len(out) // per_group
+        out += [{"src": [problem.question], "tgt": [], "group": f"problem-{k}", **c} for c in group]
+    return out
+
+
 def _follow_up(rng: random.Random, previous: int) -> Problem:
     """A second turn that builds on the first answer, e.g. "Now add 4 to your answer."."""
     e = _d(rng)
@@ -557,6 +605,15 @@ def _readme(files: dict[str, list[dict]], kinds: dict[str, Counter]) -> str:
         f"| `pairs_train.jsonl` | {len(files['pairs_train'])} ({multi['pairs_train']} two-turn) | ORM/DPO pairs: `{{src, tgt, response: [r0, r1], sort: [s0, s1]}}` |",
         f"| `pairs_dev.jsonl` | {len(files['pairs_dev'])} ({multi['pairs_dev']} two-turn) | same, disjoint questions |",
         f"| `prompts.jsonl` | {len(files['prompts'])} | PPO prompts: `{{src: q, tgt: answer}}` |",
+        (
+            f"| `processbench_dev.jsonl` | {len(files['processbench_dev'])} | the first `prm_dev` records in ProcessBench's "
+            "format: `{id: short-3 / long-7, generator, problem, steps, label: first wrong step or -1, "
+            "final_answer_correct}` |"
+        ),
+        (
+            f"| `bon_dev.jsonl` | {len(files['bon_dev'])} ({N_BON_GROUPS} problems x {N_BON_PER_GROUP}) | best-of-N "
+            "candidates, unlabelled PRM records with `group`, `answer`, `correct` |"
+        ),
         "",
         "PRM labels: a step is `+` if its arithmetic is right and every earlier step was right;",
         "the first wrong step and every later step are `-`. Record 0 of `prm_train.jsonl` is the",
@@ -632,6 +689,9 @@ def generate(out_dir: Path) -> dict[str, list[dict]]:
     )
     files["prm_train"] += more
     kinds["prm_train"] += more_kinds
+    # Evaluation-only files (issue: PRM evaluation): ProcessBench's format, and best-of-N candidate groups.
+    files["processbench_dev"] = make_processbench(files["prm_dev"], N_PROCESSBENCH)
+    files["bon_dev"] = make_best_of_n(random.Random(f"{SEED}-bon_dev"), N_BON_GROUPS, N_BON_PER_GROUP, dev_seen)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, records in files.items():

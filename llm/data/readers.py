@@ -25,6 +25,14 @@ Schemas (``kind``)
     ``{"input": "<question> Step 1: ... ки\\nStep 2: ... ки", "label": <the same text with "+" or
     "-" in place of each ки>}``: ``input`` is split at the placeholder into steps (stripped) and
     each label is the reward token that replaces that placeholder in ``label``.
+    ProcessBench (Qwen) ``{"id", "generator", "problem", "steps": [...], "label": <index of the
+    earliest wrong step, or -1>, "final_answer_correct"}``: the problem is the user turn; the steps
+    before ``label`` are labelled correct, the step at ``label`` wrong, and the later ones carry no
+    label (``None``: scored, but in no loss or step metric); ``PRMRecord.first_error`` keeps the label,
+    ``subset`` the record's ``subset`` field or the prefix of an ``id`` like ``"gsm8k-12"``.
+    Best-of-N candidates: any PRM layout with ``answer`` (the final answer) and ``correct`` (a boolean)
+    is one candidate of its problem's group (``group`` when given, else the prompt and question text);
+    such a record may leave out ``labels`` (its steps are then unlabelled).
     ``"pair"``: PaddleNLP ``{"src", "tgt", "response": [r0, r1], "sort": [s0, s1]}`` (higher sort
     = chosen) or TRL ``{"prompt", "chosen", "rejected"}``. In TRL form ``chosen``/``rejected`` may
     be strings or message lists; of a message list the last message (role assistant) is the
@@ -105,7 +113,26 @@ FORMATS = {
 
 # The fields each kind reads (the names map_keys may map onto).
 FIELDS = {
-    "prm": ("src", "tgt", "system", "responses", "labels", "prompt", "completions", "input", "label"),
+    "prm": (
+        "src",
+        "tgt",
+        "system",
+        "responses",
+        "labels",
+        "prompt",
+        "completions",
+        "input",
+        "label",
+        "problem",
+        "steps",
+        "id",
+        "generator",
+        "subset",
+        "final_answer_correct",
+        "answer",
+        "correct",
+        "group",
+    ),
     "pair": ("src", "tgt", "system", "response", "sort", "prompt", "chosen", "rejected"),
     "prompt": ("src", "tgt", "system", "prompt", "reference", "answer"),
     "sft": ("src", "tgt", "system", "messages"),
@@ -123,9 +150,15 @@ class PRMRecord:
     # separate prompt (Math-Shepherd layouts: the question starts the first step)
     prompt: list[Message]
     steps: list[str]
-    labels: list[str]  # each one of reward_tokens, len == len(steps)
+    labels: list[str | None]  # each one of reward_tokens, or None (unlabelled); len == len(steps)
     source: str  # file path it came from
     index: int  # 0-based record number in that file
+    first_error: int | None = None  # ProcessBench: the earliest wrong step, -1 when all are right
+    subset: str | None = None  # ProcessBench subset (gsm8k, math, ...)
+    generator: str | None = None  # the model that wrote the solution
+    group: str | None = None  # best-of-N: the problem this candidate answers
+    answer: str | None = None  # best-of-N: its final answer
+    correct: bool | None = None  # best-of-N: whether that answer is right
 
 
 @dataclass
@@ -690,7 +723,7 @@ def _present(rec: dict, key: str) -> bool:
     return rec.get(key) is not None
 
 
-_FORMAT_NAMES = {"paddle": "PaddleNLP", "trl": "TRL", "shepherd": "Math-Shepherd"}
+_FORMAT_NAMES = {"paddle": "PaddleNLP", "trl": "TRL", "shepherd": "Math-Shepherd", "processbench": "ProcessBench"}
 
 
 def _pick_format(
@@ -700,11 +733,12 @@ def _pick_format(
     paddle: tuple[str, ...],
     trl: tuple[str, ...],
     shepherd: tuple[str, ...] = (),
+    processbench: tuple[str, ...] = (),
 ) -> str:
-    """'paddle', 'trl' or 'shepherd' by the marker fields present."""
+    """'paddle', 'trl', 'shepherd' or 'processbench' by the marker fields present."""
     found = {
         fmt: [k for k in markers if _present(rec, k)]
-        for fmt, markers in (("paddle", paddle), ("trl", trl), ("shepherd", shepherd))
+        for fmt, markers in (("paddle", paddle), ("trl", trl), ("shepherd", shepherd), ("processbench", processbench))
     }
     found = {fmt: keys for fmt, keys in found.items() if keys}
     if len(found) > 1:
@@ -985,20 +1019,85 @@ def _shepherd_steps(rec: dict, where: _Where, tokens: tuple[str, str], placehold
 
 
 def _parse_prm(rec: dict, where: _Where, tokens: tuple[str, str], placeholder: str) -> PRMRecord:
-    fmt = _pick_format(rec, where, "prm", ("src", "responses"), ("prompt", "completions"), ("input", "label"))
+    processbench = ("problem", "steps")
+    # "label" marks Math-Shepherd's layout, unless ProcessBench's fields are there (its label is the first error)
+    shepherd = ("input",) if any(_present(rec, k) for k in processbench) else ("input", "label")
+    fmt = _pick_format(rec, where, "prm", ("src", "responses"), ("prompt", "completions"), shepherd, processbench)
+    candidate = _candidate(rec, where)
+    if fmt == "processbench":
+        return _processbench(rec, where, tokens, placeholder, candidate)
     if fmt == "shepherd":
         _require(rec, where, "prm", ("input", "label"), "Math-Shepherd")
         steps, labels = _shepherd_steps(rec, where, tokens, placeholder)
-        return PRMRecord(prompt=[], steps=steps, labels=labels, source=where.path, index=where.index)
+        return PRMRecord([], steps, labels, where.path, where.index, **candidate)
+    unlabelled = candidate["correct"] is not None and not _present(rec, "labels")
     if fmt == "paddle":
-        _require(rec, where, "prm", ("src", "responses", "labels"), "PaddleNLP PRM")
+        _require(rec, where, "prm", ("src", "responses") + (() if unlabelled else ("labels",)), "PaddleNLP PRM")
         prompt, steps_field = _paddle_prompt(rec, where, allow_none=True), "responses"
     else:
-        _require(rec, where, "prm", ("prompt", "completions", "labels"), "TRL stepwise")
+        _require(rec, where, "prm", ("prompt", "completions") + (() if unlabelled else ("labels",)), "TRL stepwise")
         prompt, steps_field = _trl_prompt(rec, where), "completions"
     steps = _steps(rec[steps_field], steps_field, where, placeholder)
-    labels = _labels(rec["labels"], where, tokens, len(steps), steps_field)
-    return PRMRecord(prompt=prompt, steps=steps, labels=labels, source=where.path, index=where.index)
+    labels = [None] * len(steps) if unlabelled else _labels(rec["labels"], where, tokens, len(steps), steps_field)
+    if candidate["correct"] is not None and candidate["group"] is None:
+        candidate["group"] = json.dumps([m["content"] for m in prompt] + ([] if prompt else steps[:1]))
+    return PRMRecord(prompt, steps, labels, where.path, where.index, **candidate)
+
+
+_SUBSET_ID = re.compile(r"^(.+)-\d+$")
+
+
+def _optional_text(rec: dict, field: str, where: _Where) -> str | None:
+    if not _present(rec, field):
+        return None
+    value = rec[field]
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        where.fail(field, f"must be a string or a number, got {_type_name(value)}", f"give {field} as a string")
+    return str(value)
+
+
+def _candidate(rec: dict, where: _Where) -> dict:
+    """The best-of-N fields (``group``, ``answer``, ``correct``) and ``generator``; answer and correct come together."""
+    out = {
+        "group": _optional_text(rec, "group", where),
+        "answer": _optional_text(rec, "answer", where),
+        "generator": _optional_text(rec, "generator", where),
+        "correct": None,
+    }
+    # ProcessBench's final_answer_correct is the correctness of a candidate that gives its answer
+    flag = "correct" if _present(rec, "correct") or out["answer"] is None else "final_answer_correct"
+    if _present(rec, flag):
+        if not isinstance(rec[flag], bool):
+            where.fail(flag, f"must be true or false, got {_type_name(rec[flag])}", "give a JSON boolean")
+        out["correct"] = rec[flag]
+    if (out["answer"] is None) != (out["correct"] is None):
+        have, need = ("answer", "correct") if out["answer"] is not None else ("correct", "answer")
+        where.fail(need, f"is missing while '{have}' is given", "a best-of-N candidate needs both answer and correct")
+    return out
+
+
+def _processbench(rec: dict, where: _Where, tokens: tuple[str, str], placeholder: str, candidate: dict) -> PRMRecord:
+    _require(rec, where, "prm", ("problem", "steps", "label"), "ProcessBench")
+    if not isinstance(rec["problem"], str) or not rec["problem"].strip():
+        where.fail("problem", "must be a non-empty string", "give the problem text")
+    steps = _steps(rec["steps"], "steps", where, placeholder)
+    first = rec["label"]
+    if isinstance(first, bool) or not isinstance(first, int) or not -1 <= first < len(steps):
+        where.fail(
+            "label",
+            f"must be the index of the earliest wrong step (0 to {len(steps) - 1}) or -1, got {first!r}",
+            "give ProcessBench's integer label",
+        )
+    labels: list[str | None] = [tokens[0]] * len(steps) if first < 0 else [tokens[0]] * first + [tokens[1]]
+    labels += [None] * (len(steps) - len(labels))
+    subset = _optional_text(rec, "subset", where)
+    if subset is None and isinstance(rec.get("id"), str):
+        match = _SUBSET_ID.match(rec["id"])
+        subset = match.group(1) if match else None
+    prompt = [{"role": "user", "content": rec["problem"]}]
+    if candidate["correct"] is not None and candidate["group"] is None:
+        candidate["group"] = rec["problem"]
+    return PRMRecord(prompt, steps, labels, where.path, where.index, first_error=first, subset=subset, **candidate)
 
 
 # ---- pair --------------------------------------------------------------------------------------

@@ -86,10 +86,14 @@ def build_tiny_tokenizer(corpus_texts: list[str]) -> PreTrainedTokenizerFast:
     )
 
 
+CORPUS_FILES = ("pairs_dev", "pairs_train", "prm_dev", "prm_train", "prompts")
+
+
 def sample_corpus(sample_dir: Path = SAMPLE_DIR) -> list[str]:
-    """Every question, answer and solution text of the sample files, in file order."""
+    """Every question, answer and solution text of the training and dev sample files, in file order (the
+    evaluation-only files, ProcessBench and best-of-N, reuse their words and are not part of the corpus)."""
     texts: list[str] = []
-    for path in sorted(sample_dir.glob("*.jsonl")):
+    for path in sorted(p for p in sample_dir.glob("*.jsonl") if p.stem in CORPUS_FILES):
         for line in path.read_text(encoding="utf-8").splitlines():
             rec = json.loads(line)
             for key in ("src", "tgt"):

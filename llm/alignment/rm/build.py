@@ -8,6 +8,7 @@ import logging
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedTokenizerBase
 
 from llm.alignment.lm import weights_dtype
+from llm.alignment.rm.evaluation import AGGREGATIONS
 from llm.alignment.rm.trainer import RewardTrainer
 from llm.data.packing import collate
 from llm.data.pipeline import PackedData, load_packed, plan_summary, train_and_dev
@@ -138,7 +139,16 @@ def build_reward_model(model_args: ModelArgument, training_args: TrainingArgumen
     return model, None
 
 
+def check_evaluation_settings(training_args: TrainingArguments) -> None:
+    unknown = [a for a in training_args.bon_aggregations.split(",") if a.strip() not in AGGREGATIONS]
+    if unknown or not training_args.bon_aggregations.strip():
+        raise UserError(
+            f"bon_aggregations: {', '.join(map(repr, unknown)) or 'empty'}; each must be one of {', '.join(AGGREGATIONS)}"
+        )
+
+
 def build_reward_trainer(model_args: ModelArgument, data_args: DataArgument, training_args: TrainingArguments):
+    check_evaluation_settings(training_args)
     tokenizer = load_tokenizer(model_args.tokenizer_name_or_path or model_args.model_name_or_path)
     added = training_args.process_reward and model_args.add_placeholder_token
     added = added and add_placeholder_token(tokenizer, model_args.placeholder_token)
@@ -181,4 +191,5 @@ def build_reward_trainer(model_args: ModelArgument, data_args: DataArgument, tra
         score_regularization=training_args.score_regularization,
         callbacks=[SaveOnSignal()],
     )
+    trainer.eval_records = dev.records if dev else []  # ProcessBench / best-of-N fields of each dev record
     return trainer, train, dev

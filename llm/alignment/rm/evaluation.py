@@ -191,3 +191,30 @@ def best_of_n_metrics(
             out[f"bon_{agg}@{n}"] = sum(b.correct for b in best) / len(best)
             out[f"weighted_vote_{agg}@{n}"] = sum(_weighted(c, score).correct for c in firsts) / len(firsts)
     return out
+
+
+def plot_best_of_n(metrics: dict[str, float], path: str, title: str = "best-of-N") -> None:
+    """Accuracy against N (log 2 axis) for every best-of-N curve in ``metrics``, as a PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for key, value in metrics.items():
+        name, at, n = key.rpartition("@")[0], "@" in key, key.rpartition("@")[2]
+        if at and n.isdigit():
+            curves[name.removeprefix("eval_")].append((int(n), value))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in sorted(curves):
+        points = sorted(curves[name])
+        ax.plot([n for n, _ in points], [v for _, v in points], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("N (candidates per problem)")
+    ax.set_ylabel("accuracy")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

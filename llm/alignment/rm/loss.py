@@ -33,9 +33,10 @@ def step_loss(reward_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
     """PRM cross-entropy per step over the two reward-token logits.
 
     ``reward_logits`` ``(S, 2)`` = logits of ('+', '-') at each placeholder; ``labels`` ``(S,)`` with
-    0 = '+', 1 = '-'. Returns ``(S,)``, in fp32 (the logits are upcast first).
+    0 = '+', 1 = '-', and -1 for a step without a label (loss 0; the trainer leaves it out of the item
+    count). Returns ``(S,)``, in fp32 (the logits are upcast first).
     """
-    return F.cross_entropy(reward_logits.float(), labels, reduction="none")
+    return F.cross_entropy(reward_logits.float(), labels, reduction="none", ignore_index=-1)
 
 
 def step_scores(reward_logits: torch.Tensor) -> torch.Tensor:

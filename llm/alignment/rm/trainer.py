@@ -11,14 +11,29 @@ to fp32 before the cross-entropy, softmax and log-sigmoid of ``rm.loss``.
 from __future__ import annotations
 
 import functools
+import os
+from collections import defaultdict
 
 import torch.nn.functional as F
 
 from llm.alignment.lm import check_packed_attention, full_weight, readout_hidden
 from llm.alignment.rm import readout
+from llm.alignment.rm.evaluation import (
+    Candidate,
+    Solution,
+    best_of_n_metrics,
+    best_threshold,
+    first_error,
+    metric_name,
+    plot_best_of_n,
+    processbench_metrics,
+)
 from llm.alignment.rm.loss import pairwise_loss, step_loss, step_scores
 from llm.alignment.trainer import AlignmentTrainer, ItemOutputs
 from llm.data.packing import PackedBatch
+from llm.utils.errors import UserError
+
+BEST_OF_N_PLOT = "eval_best_of_n.png"  # next to eval_results.json
 
 
 class RewardTrainer(AlignmentTrainer):
@@ -50,7 +65,8 @@ class RewardTrainer(AlignmentTrainer):
 
     # one "item" = one step (PRM) or one pair (ORM)
     def count_items(self, batch: PackedBatch) -> int:
-        return batch.readout_index.numel() if self.process_reward else batch.num_examples
+        # unlabelled steps (target -1) are scored but are no loss items
+        return int((batch.readout_target >= 0).sum()) if self.process_reward else batch.num_examples
 
     def forward_items(self, model, batch: PackedBatch) -> ItemOutputs:
         call = functools.partial(model, readout_index=batch.readout_index) if self.readouts_only else model
@@ -62,7 +78,8 @@ class RewardTrainer(AlignmentTrainer):
             # accelerate returns the forward's outputs in fp32; O2's head weight is bf16
             logits = F.linear(hidden.to(weight.dtype), weight[self.reward_token_ids], bias).float()
             loss = step_loss(logits, batch.readout_target)
-            return ItemOutputs(loss, {"score": step_scores(logits).detach(), "logits": logits.detach()})
+            values = {"score": step_scores(logits).detach(), "logits": logits.detach()}
+            return ItemOutputs(loss, values, counted=batch.readout_target >= 0)
         head = self.model.score
         scores = head(hidden.to(head.weight.dtype)).squeeze(-1).float()
         chosen, rejected = scores[batch.readout_part == 0], scores[batch.readout_part == 1]
@@ -81,8 +98,55 @@ class RewardTrainer(AlignmentTrainer):
             batch.readout_example.tolist(), out.values["score"].tolist(), batch.readout_target.tolist()
         ):
             examples[ex]["step_scores"].append(score)
-            examples[ex]["labels"].append(self.reward_tokens[label])
+            examples[ex]["labels"].append(self.reward_tokens[label] if label >= 0 else None)
         return examples
+
+    def eval_metrics(self, examples: list[dict]) -> dict[str, float]:
+        """The step / pair metrics, and over the eval records that carry them: ProcessBench (records with a
+        first-error label) and best-of-N (records with an answer and a correct flag) of
+        ``llm.alignment.rm.evaluation``. ProcessBench examples get ``predicted_first_error``."""
+        metrics = self.metrics(examples)
+        records = getattr(self, "eval_records", None)
+        if not records or not self.process_reward:
+            return metrics
+        args = self.args
+        solutions, groups = [], defaultdict(list)
+        for ex in examples:
+            rec = records[ex["record"]]
+            if getattr(rec, "first_error", None) is not None:
+                ex["first_error"] = rec.first_error
+                ex["predicted_first_error"] = first_error(ex["step_scores"], args.prm_threshold)
+                solutions.append(Solution(ex["step_scores"], rec.first_error, rec.subset, rec.generator))
+            if getattr(rec, "correct", None) is not None and ex["step_scores"]:
+                groups[rec.group].append(Candidate(ex["step_scores"], rec.answer, rec.correct))
+        if solutions:
+            metrics.update(processbench_metrics(solutions, args.prm_threshold))
+            subset = args.prm_threshold_subset
+            if subset is not None:
+                tuned = [s for s in solutions if s.subset is not None and metric_name(s.subset) == metric_name(subset)]
+                if not tuned:
+                    found = sorted({s.subset for s in solutions if s.subset is not None})
+                    raise UserError(
+                        f"prm_threshold_subset={subset!r}: no ProcessBench record of that subset in the eval data "
+                        f"(subsets: {', '.join(found) or 'none'})"
+                    )
+                best, best_f1 = best_threshold(tuned)
+                metrics["processbench_best_threshold"], metrics[f"processbench_{metric_name(subset)}_best_f1"] = (
+                    best,
+                    best_f1,
+                )
+                at_best = processbench_metrics(solutions, best)
+                metrics.update(
+                    {f"{k}_at_best_threshold": v for k, v in at_best.items() if k != "processbench_threshold"}
+                )
+        if groups:
+            aggregations = [a.strip() for a in args.bon_aggregations.split(",")]
+            bon = best_of_n_metrics(groups, aggregations, args.seed)
+            metrics.update(bon)
+            if self.is_world_process_zero():
+                os.makedirs(args.output_dir, exist_ok=True)
+                plot_best_of_n(bon, os.path.join(args.output_dir, BEST_OF_N_PLOT))
+        return metrics
 
     def metric_names(self) -> list[str]:
         return (
@@ -97,15 +161,20 @@ class RewardTrainer(AlignmentTrainer):
         if not self.process_reward:
             diffs = [ex["chosen_score"] - ex["rejected_score"] for ex in examples]
             return {"accuracy": sum(d > 0 for d in diffs) / len(diffs), "margin": sum(diffs) / len(diffs)}
-        steps = correct = solved = positive = 0
+        steps = correct = solved = positive = labelled = 0
         for ex in examples:
-            right = [(s > 0.5) == (lab == self.reward_tokens[0]) for s, lab in zip(ex["step_scores"], ex["labels"])]
+            pairs = [(s, lab) for s, lab in zip(ex["step_scores"], ex["labels"]) if lab is not None]
+            right = [(s > 0.5) == (lab == self.reward_tokens[0]) for s, lab in pairs]
             steps += len(right)
             correct += sum(right)
-            solved += all(right)
-            positive += sum(lab == self.reward_tokens[0] for lab in ex["labels"])
+            if right:  # a solution without a labelled step is in no solution accuracy
+                labelled += 1
+                solved += all(right)
+            positive += sum(lab == self.reward_tokens[0] for _, lab in pairs)
+        if not steps:  # no labelled step (best-of-N candidates): no step metrics rather than zeros
+            return {}
         return {
             "step_accuracy": correct / max(steps, 1),
-            "solution_accuracy": solved / len(examples),
+            "solution_accuracy": solved / max(labelled, 1),
             "majority_baseline": max(positive, steps - positive) / max(steps, 1),
         }

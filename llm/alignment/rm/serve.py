@@ -1,0 +1,216 @@
+"""A trained ORM or PRM served over HTTP in the protocol of PPO's ``reward.type: http``.
+
+``POST /`` (or ``/score``) with ``{"prompts": [str], "responses": [str], "references": [str | null],
+"ended": [bool]}`` (``references`` and ``ended`` optional; ``ended``: the response stopped at EOS, default
+true) answers ``{"scores": [float], "step_scores": [[float], ...]}`` (``step_scores`` for a PRM: p(correct)
+of every step). ``GET /health`` answers ``{"status": "ok", "kind": "prm" | "orm", "model": path}``.
+
+The scores are those of PPO's in-process rewards, by the same code (``ORMReward``, ``PRMReward``): the
+ORM's score head at the last response token (the texts tokenised with the reward model's tokenizer, EOS
+appended to an ended response), the PRM's step scores from the response split at ``step_separator``,
+aggregated by ``prm_aggregation``. A request larger than ``max_request_bytes`` is refused (413) before it
+is read; one that is not of the form above gets 400 with the reason; a client that sends its body slower
+than ``request_timeout`` seconds is dropped. Requests are scored one at a time (the model is not
+thread-safe); the server itself accepts connections concurrently.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+
+from llm.utils.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+AGGREGATIONS = ("min", "last", "mean")  # PPO's prm_aggregation without "dense" (one score per response)
+
+
+@dataclass
+class ServeArgument:
+    host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on (0.0.0.0: every interface)."})
+    port: int = field(default=8000, metadata={"help": "Port to listen on (0: any free port, logged).", "min": 0})
+    prm_aggregation: str = field(default="min", metadata={"help": "PRM: min | last | mean of the step scores."})
+    step_separator: str = field(default="\n", metadata={"help": "PRM: the text between steps of a response."})
+    micro_batch_size: int = field(default=8, metadata={"help": "Samples per forward.", "min": 1})
+    max_request_bytes: int = field(
+        default=16 * 2**20, metadata={"help": "Largest request body accepted (413 above).", "min": 1}
+    )
+    request_timeout: float = field(
+        default=60.0, metadata={"help": "Seconds a client may take to send its request.", "min": 0}
+    )
+
+    def __post_init__(self) -> None:
+        if self.prm_aggregation not in AGGREGATIONS:
+            raise UserError(f"prm_aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.prm_aggregation!r}")
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def _strings(payload: dict, key: str, n: int | None, optional: bool = False) -> list:
+    value = payload.get(key)
+    if value is None and optional:
+        return [None] * (n or 0)
+    if not isinstance(value, list) or (n is not None and len(value) != n):
+        raise BadRequest(f"'{key}' must be a list" + (f" of {n} items (one per response)" if n is not None else ""))
+    if not all(isinstance(v, str) or (optional and v is None) for v in value):
+        raise BadRequest(f"every item of '{key}' must be a string")
+    return value
+
+
+def parse_request(body: bytes) -> tuple[list[str], list[str], list[str | None], list[bool]]:
+    try:
+        payload = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BadRequest(f"the body is not UTF-8 JSON ({err})") from None
+    if not isinstance(payload, dict):
+        raise BadRequest('the body must be a JSON object {"prompts": [...], "responses": [...]}')
+    responses = _strings(payload, "responses", None)
+    prompts = _strings(payload, "prompts", len(responses))
+    references = _strings(payload, "references", len(responses), optional=True)
+    ended = payload.get("ended", [True] * len(responses))
+    if not isinstance(ended, list) or len(ended) != len(responses) or not all(isinstance(e, bool) for e in ended):
+        raise BadRequest(f"'ended' must be a list of {len(responses)} booleans")
+    return prompts, responses, references, ended
+
+
+class RewardScorer:
+    """Scores texts with a reward model the way PPO's in-process reward does."""
+
+    def __init__(self, reward, tokenizer, kind: str, model_path: str) -> None:
+        self.reward, self.tokenizer, self.kind, self.model_path = reward, tokenizer, kind, model_path
+        self.lock = threading.Lock()
+
+    def samples(self, prompts, responses, references, ended):
+        from llm.alignment.ppo.roles import Samples
+
+        tok = self.tokenizer
+        eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+        return Samples(
+            [tok(p)["input_ids"] for p in prompts],
+            [tok(r, add_special_tokens=False)["input_ids"] + eos * e for r, e in zip(responses, ended)],
+            list(prompts),
+            list(responses),
+            list(references),
+            torch.tensor(ended, dtype=torch.bool),
+        )
+
+    def score(self, prompts, responses, references, ended) -> dict:
+        if not responses:
+            return {"scores": []}
+        samples = self.samples(prompts, responses, references, ended)
+        with self.lock:
+            if self.kind == "orm":
+                return {"scores": self.reward.score(samples).scores.tolist()}
+            steps, _ = self.reward.step_scores(samples)
+            scores = self.reward.score(samples).scores.tolist()
+        return {"scores": scores, "step_scores": steps}
+
+
+def make_handler(scorer: RewardScorer, args: ServeArgument):
+    class Handler(BaseHTTPRequestHandler):
+        timeout = args.request_timeout  # each socket operation; the body as a whole: below
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt, *a) -> None:  # through logging, not stderr prints
+            logger.info("%s %s", self.address_string(), fmt % a)
+
+        def _answer(self, status: int, payload: dict) -> None:
+            body = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            if self.path.rstrip("/") in ("/health", "/healthz"):
+                self._answer(200, {"status": "ok", "kind": scorer.kind, "model": scorer.model_path})
+            else:
+                self._answer(404, {"error": "GET /health; POST / or /score to score"})
+
+        def do_POST(self) -> None:
+            if self.path.rstrip("/") not in ("", "/score"):
+                return self._answer(404, {"error": "POST / or /score"})
+            length = self.headers.get("Content-Length")
+            if length is None or not length.isdigit():
+                return self._answer(411, {"error": "a Content-Length header is required"})
+            if int(length) > args.max_request_bytes:
+                self.close_connection = True
+                return self._answer(413, {"error": f"the body is over max_request_bytes={args.max_request_bytes}"})
+            try:
+                body = self._read(int(length))
+            except TimeoutError:
+                self.close_connection = True
+                return self._answer(408, {"error": f"the body took over request_timeout={args.request_timeout:g} s"})
+            try:
+                request = parse_request(body)
+            except BadRequest as err:
+                return self._answer(400, {"error": str(err)})
+            try:
+                self._answer(200, scorer.score(*request))
+            except Exception as err:  # the client gets the reason, the server keeps serving
+                logger.exception("scoring failed")
+                self._answer(500, {"error": f"{type(err).__name__}: {err}"})
+
+        def _read(self, n: int) -> bytes:
+            deadline = time.monotonic() + args.request_timeout
+            parts, left = [], n
+            while left:
+                if time.monotonic() > deadline:
+                    raise TimeoutError
+                chunk = self.rfile.read1(min(left, 1 << 16))  # a socket timeout raises TimeoutError
+                if not chunk:
+                    raise TimeoutError
+                parts.append(chunk)
+                left -= len(chunk)
+            return b"".join(parts)
+
+    return Handler
+
+
+def make_server(scorer: RewardScorer, args: ServeArgument) -> ThreadingHTTPServer:
+    try:
+        server = ThreadingHTTPServer((args.host, args.port), make_handler(scorer, args))
+    except OSError as err:
+        raise UserError(f"cannot listen on {args.host}:{args.port} ({err.strerror}): choose another port") from None
+    server.daemon_threads = True
+    return server
+
+
+def build_scorer(model_args, training_args, serve_args: ServeArgument) -> RewardScorer:
+    """The reward model of a reward config (``run_reward.py``'s fields) as PPO's ORM / PRM reward."""
+    from llm.alignment.ppo.roles import ORMReward, PRMReward
+    from llm.alignment.rm.build import build_reward_model, reward_tokens
+    from llm.data.tokenize import single_token_id
+    from llm.utils.modeling import load_tokenizer
+
+    tokenizer = load_tokenizer(model_args.tokenizer_name_or_path or model_args.model_name_or_path)
+    model, _ = build_reward_model(model_args, training_args, tokenizer)
+    model.eval()
+    path = model_args.model_name_or_path
+    if not training_args.process_reward:
+        return RewardScorer(ORMReward(model, tokenizer, tokenizer, serve_args.micro_batch_size), tokenizer, "orm", path)
+    tokens = reward_tokens(model_args)
+    ids = tuple(single_token_id(tokenizer, t, "reward_tokens") for t in tokens)
+    placeholder = model_args.placeholder_token
+    prm = PRMReward(
+        model,
+        tokenizer,
+        tokenizer,
+        serve_args.step_separator,
+        placeholder,
+        ids,
+        single_token_id(tokenizer, placeholder, "placeholder_token"),
+        serve_args.prm_aggregation,
+        serve_args.micro_batch_size,
+    )
+    return RewardScorer(prm, tokenizer, "prm", path)

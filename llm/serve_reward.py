@@ -1,0 +1,52 @@
+"""Serve a trained ORM or PRM over HTTP for PPO's ``reward.type: http`` (protocol: llm/alignment/rm/serve.py).
+
+python llm/serve_reward.py llm/config/tiny/prm_argument.json --model_name_or_path output/tiny_prm \
+    --init_from_config false --port 8000 [--prm_aggregation min]
+
+The config is a reward config as ``run_reward.py`` reads it (model, tokenizer, process_reward, placeholder and
+reward tokens); training and data fields are accepted and unused. Stop it with Ctrl-C or SIGTERM.
+"""
+
+import logging
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from llm.alignment.rm.serve import ServeArgument, build_scorer, make_server
+from llm.utils.arguments import ARGUMENT_TYPES, parse_arguments
+from llm.utils.errors import run_cli
+from llm.utils.logging import setup_logging
+from llm.utils.paddle_names import PADDLE_REWARD_NAMES
+
+logger = logging.getLogger("llm.serve_reward")
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    model_args, _data_args, training_args, serve_args = parse_arguments(
+        argv, (*ARGUMENT_TYPES, ServeArgument), paddle=PADDLE_REWARD_NAMES
+    )
+    setup_logging(training_args)
+    scorer = build_scorer(model_args, training_args, serve_args)
+    server = make_server(scorer, serve_args)
+    host, port = server.server_address[:2]
+    signal.signal(signal.SIGTERM, _interrupt)
+    logger.warning(
+        "serving the %s %s on http://%s:%d (GET /health, POST /)", scorer.kind, scorer.model_path, host, port
+    )
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        logger.warning("stopped")
+    finally:
+        server.server_close()
+
+
+if __name__ == "__main__":
+    run_cli(main)

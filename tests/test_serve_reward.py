@@ -1,0 +1,173 @@
+"""llm/serve_reward.py: a reward model served in PPO's http reward protocol gives PPO the scores the same model
+gives in-process; health, limits and bad requests."""
+
+import http.client
+import json
+import os
+import threading
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from llm.alignment.ppo.roles import HttpReward
+from llm.alignment.rm.serve import ServeArgument, build_scorer, make_server
+from llm.run_ppo import main as ppo_main
+from llm.utils.arguments import ARGUMENT_TYPES, parse_arguments
+from tests.helpers import ROOT, tiny_model, tokenizer
+from tests.test_ppo_run import config as ppo_config
+from tests.test_ppo_run import history
+
+TINY_TOKENIZER = os.path.join(ROOT, "llm", "assets", "tiny_tokenizer")
+
+
+def save_model(path, process_reward: bool):
+    kwargs = {} if process_reward else {"auto_class": AutoModelForSequenceClassification, "num_labels": 1}
+    model = tiny_model("llama", seed=5, **kwargs)
+    model.save_pretrained(path)
+    tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def reward_config(tmp_path, model_dir, process_reward: bool) -> str:
+    cfg = {
+        "model_name_or_path": model_dir,
+        "process_reward": process_reward,
+        "output_dir": str(tmp_path / "unused"),
+        "report_to": "none",
+    }
+    path = tmp_path / f"serve_{process_reward}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.fixture
+def running(tmp_path):
+    servers = []
+
+    def start(process_reward: bool, **serve):
+        model_dir = save_model(tmp_path / f"rm_{process_reward}", process_reward)
+        flags = [x for k, v in serve.items() for x in (f"--{k}", str(v))]
+        model_args, _, training_args, serve_args = parse_arguments(
+            [reward_config(tmp_path, model_dir, process_reward), "--port", "0", *flags],
+            (*ARGUMENT_TYPES, ServeArgument),
+        )
+        server = make_server(build_scorer(model_args, training_args, serve_args), serve_args)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return server, model_dir
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def request(server, method, path, body=None, headers=None):
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=30)
+    conn.request(method, path, body=body, headers=headers or {})
+    resp = conn.getresponse()
+    return resp.status, json.loads(resp.read() or b"{}")
+
+
+def test_ppo_with_the_served_prm_equals_ppo_with_it_in_process(tmp_path, running):
+    """Two PPO steps (GRPO, the PRM scores): reward.type http against the server == reward.type prm with the
+    same checkpoint in this process: the same scores every step, hence the same run."""
+    server, model_dir = running(True, prm_aggregation="min")
+    url = f"http://127.0.0.1:{server.server_address[1]}/"
+    in_process = {"type": "prm", "model_name_or_path": model_dir, "tokenizer_name_or_path": TINY_TOKENIZER}
+    in_process["prm_aggregation"] = "min"
+    runs = {}
+    for name, reward in (("local", in_process), ("http", {"type": "http", "url": url, "timeout": 60})):
+        out = tmp_path / name
+        ppo_main(
+            [
+                ppo_config(
+                    tmp_path,
+                    reward=reward,
+                    training={"output_dir": str(out)},
+                    algorithm={"adv_estimator": "grpo"},
+                    actor_rollout={"num_samples_per_step": 2},
+                )
+            ]
+        )
+        runs[name] = history(out)
+    assert len(runs["local"]) == len(runs["http"]) == 2
+    for a, b in zip(runs["local"], runs["http"]):
+        assert a["score"] == pytest.approx(b["score"], abs=1e-6), (a, b)
+        assert a["policy_loss"] == pytest.approx(b["policy_loss"], abs=1e-6)
+    assert len({round(h["score"], 6) for h in runs["http"]}) == 2  # the scores are the model's, not constants
+
+
+def test_served_orm_scores_the_texts_as_the_in_process_orm_does_for_another_tokenizer(running):
+    """An ORM over HTTP sees text: it scores the re-tokenised prompt and response (EOS appended when ended),
+    exactly what PPO's in-process ORM does when the actor's tokenizer differs from the reward model's. (With
+    the same tokenizer the in-process ORM reads the actor's own ids, which equal these where the response
+    text round-trips through the tokenizer; random ids need not.)"""
+    from llm.alignment.ppo.roles import ORMReward
+    from tests.test_ppo_run import samples
+
+    server, model_dir = running(False)
+    s = samples(["7 + 5 = 12\nThe answer is 12.", "it is 8", "no"])
+    s.prompts = ["What is 7 + 5?\n"] * 3
+    s.ended = torch.tensor([True, False, True])
+    served = HttpReward(f"http://127.0.0.1:{server.server_address[1]}/", 30).score(s).scores
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    tok = tokenizer()
+    other = tokenizer()
+    other.add_tokens(["<a-token-the-reward-model-lacks>"])  # another vocabulary: the text path
+    local = ORMReward(model, tok, other, 4).score(s).scores
+    torch.testing.assert_close(served, local, rtol=0, atol=1e-6)
+    assert len(set(served.tolist())) == 3
+
+
+def test_health_scores_and_step_scores(running):
+    server, model_dir = running(True, prm_aggregation="mean")
+    assert request(server, "GET", "/health") == (200, {"status": "ok", "kind": "prm", "model": model_dir})
+    body = {"prompts": ["Q?\n", "Q?\n"], "responses": ["a = 1\nb = 2", "c"], "ended": [True, False]}
+    status, out = request(server, "POST", "/score", json.dumps(body))
+    assert status == 200 and len(out["scores"]) == 2 and [len(s) for s in out["step_scores"]] == [2, 1]
+    for score, steps in zip(out["scores"], out["step_scores"]):
+        assert score == pytest.approx(sum(steps) / len(steps)) and all(0 < s < 1 for s in steps)
+    # the PPO client reads exactly these scores
+    from tests.test_ppo_run import samples
+
+    s = samples(["a = 1\nb = 2", "c"])
+    s.prompts = ["Q?\n", "Q?\n"]
+    s.ended = torch.tensor([True, False])
+    got = HttpReward(f"http://127.0.0.1:{server.server_address[1]}/", 30).score(s).scores.tolist()
+    assert got == pytest.approx(out["scores"], abs=1e-7)
+
+
+@pytest.mark.parametrize(
+    "body, headers, status, text",
+    [
+        (b"not json", {}, 400, "not UTF-8 JSON"),
+        (json.dumps({"responses": ["a"]}).encode(), {}, 400, "'prompts' must be a list of 1"),
+        (json.dumps({"responses": ["a"], "prompts": [3]}).encode(), {}, 400, "must be a string"),
+        (json.dumps({"responses": ["a"], "prompts": ["p"], "ended": ["yes"]}).encode(), {}, 400, "booleans"),
+        (b"x" * 2000, {}, 413, "max_request_bytes=1000"),
+    ],
+)
+def test_bad_requests_get_a_reason(running, body, headers, status, text):
+    server, _ = running(False, max_request_bytes=1000)
+    got, out = request(server, "POST", "/", body, {"Content-Type": "application/json", **headers})
+    assert got == status and text in out["error"], out
+    assert request(server, "GET", "/health")[0] == 200  # still serving
+
+
+def test_wrong_paths_and_a_missing_length(running):
+    server, _ = running(False)
+    assert request(server, "GET", "/")[0] == 404
+    assert request(server, "POST", "/other", b"{}")[0] == 404
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=10)
+    conn.putrequest("POST", "/")
+    conn.endheaders()
+    assert conn.getresponse().status == 411
+
+
+def test_serve_argument_checks():
+    from llm.utils.errors import UserError
+
+    with pytest.raises(UserError, match="prm_aggregation must be one of min, last, mean"):
+        ServeArgument(prm_aggregation="dense")
