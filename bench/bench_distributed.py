@@ -17,15 +17,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from bench.harness import (
+    add_step_clock,
+    add_worker_flags,
+    after_warmup,
+    environment,
+    markdown_table,
+    medians,
+    rank_result,
+    rss_mib,
+    run_interleaved,
+    run_worker,
+    worker_env,
+    worker_result,
+    write_report,
+)
 
 LAYOUTS = {
     "ddp": [],
@@ -81,56 +94,40 @@ def write_config(directory: str, model_dir: str, steps: int, batch: int) -> str:
     return path
 
 
-def worker(config: str, result: str, flags: list[str]) -> None:
-    """One torchrun process: build the PRM trainer, train, write step times and peak RSS."""
+def config_path(workdir: str, layout: str) -> str:
+    """The run's config: batch rows on each of 2 data-parallel ranks ("dp"), or 2 x batch on one TP group ("tp")."""
+    return os.path.join(workdir, "tp" if layout.startswith("tensor") else "dp", "bench.json")
+
+
+def worker(args) -> None:
+    """One torchrun process of layout ``--side``: build the PRM trainer, train, write step times and peak RSS."""
     import torch
-    from transformers import TrainerCallback
 
     from llm.alignment.rm.build import build_reward_trainer
     from llm.utils.arguments import parse_arguments, validate_arguments
     from llm.utils.logging import setup_logging
 
     torch.set_num_threads(1)
-    model_args, data_args, training_args = parse_arguments([config, *flags])
+    model_args, data_args, training_args = parse_arguments([config_path(args.workdir, args.side), *LAYOUTS[args.side]])
     validate_arguments(model_args, data_args, training_args)
     setup_logging(training_args)
     trainer, _, _ = build_reward_trainer(model_args, data_args, training_args)
-    times: list[float] = []
-
-    class StepTimes(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            times.append(time.perf_counter() - self.start)
-
-    trainer.add_callback(StepTimes())
+    clock = add_step_clock(trainer)
     trainer.train()
-    rank = int(os.environ.get("RANK", "0"))
-    with open(f"{result}.{rank}", "w", encoding="utf-8") as f:
-        json.dump({"step_s": times, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, f)
+    worker_result(rank_result(args.result), {"step_s": clock.durations, "peak_rss_mb": rss_mib()})
 
 
-def launch(name: str, config: str, workdir: str, nproc: int, timeout: int) -> dict:
-    result = os.path.join(workdir, name.replace(" ", "_"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    cmd += [os.path.abspath(__file__), "--worker", config, result, *LAYOUTS[name]]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
-    ranks = []
-    for r in range(nproc):
-        with open(f"{result}.{r}", encoding="utf-8") as f:
-            ranks.append(json.load(f))
-    steps = [max(values) for values in zip(*(r["step_s"] for r in ranks))]  # a step ends when the slowest rank does
-    return {"step_s": statistics.median(steps[2:] or steps), "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks)}
+def launch(name: str, workdir: str, nproc: int, timeout: int) -> dict:
+    """One ``torchrun`` of layout ``name``: the median step time after the first two (a step ends when the
+    slowest rank does) and the larger peak RSS of the ranks."""
+    launcher = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc))
+    env = worker_env(1, HF_HUB_OFFLINE="1")
+    ranks = run_worker(__file__, name, workdir, [], env=env, launcher=launcher, ranks=nproc, timeout=timeout)
+    steps = [max(values) for values in zip(*(r["step_s"] for r in ranks))]
+    return {"step_s": statistics.median(after_warmup(steps, 2)), "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks)}
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], sys.argv[3], sys.argv[4:])
-        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
@@ -140,12 +137,15 @@ def main() -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset of: " + ", ".join(LAYOUTS))
     parser.add_argument("--quick", action="store_true", help="small model, 4 steps, 1 repeat, 3 layouts")
     parser.add_argument("--json", help="also write the results here")
+    add_worker_flags(parser, sides=tuple(LAYOUTS))
     args = parser.parse_args()
+    if args.side:
+        worker(args)
+        return
     if args.quick:
         args.hidden, args.layers, args.steps, args.repeats = 128, 2, 4, 1
         args.layouts = "ddp,fsdp2 stage3,tensor parallel 2"
     names = [n.strip() for n in args.layouts.split(",")]
-    results: dict[str, list[dict]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as workdir:
         model_dir = os.path.join(workdir, "model")
         write_model(model_dir, args.hidden, args.layers)
@@ -154,31 +154,31 @@ def main() -> None:
         n_params = sum(
             p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).parameters()
         )
-        configs = {
-            # the same global batch: batch rows on each of 2 data-parallel ranks, or 2 x batch on one TP group
-            "dp": write_config(os.path.join(workdir, "dp"), model_dir, args.steps, args.batch),
-            "tp": write_config(os.path.join(workdir, "tp"), model_dir, args.steps, 2 * args.batch),
-        }
-        for repeat in range(args.repeats):
-            order = names[repeat % len(names) :] + names[: repeat % len(names)]  # rotate who goes first
-            for name in order:
-                config = configs["tp" if name.startswith("tensor") else "dp"]
-                results[name].append(launch(name, config, workdir, 2, 1200))
-                print(f"repeat {repeat + 1}/{args.repeats} {name}: {results[name][-1]}", file=sys.stderr, flush=True)
-    base = statistics.median(r["step_s"] for r in results[names[0]])
-    base_rss = statistics.median(r["peak_rss_mb"] for r in results[names[0]])
+        # the same global batch: batch rows on each of 2 data-parallel ranks, or 2 x batch on one TP group
+        write_config(os.path.join(workdir, "dp"), model_dir, args.steps, args.batch)
+        write_config(os.path.join(workdir, "tp"), model_dir, args.steps, 2 * args.batch)
+        results = run_interleaved(
+            names, args.repeats, lambda name, rep: launch(name, workdir, 2, 1200), describe=str, stream=sys.stderr
+        )
+    table = {name: {**medians(results[name]), "runs": results[name]} for name in names}
+    base = table[names[0]]
     print(f"\n{n_params / 1e6:.1f}M parameters, 2 processes x 1 thread, {args.steps} steps, medians of {args.repeats}")
-    print(f"| layout | step (s) | vs {names[0]} | peak RSS per process (MB) | vs {names[0]} |")
-    print("|---|---|---|---|---|")
-    table = {}
-    for name in names:
-        step = statistics.median(r["step_s"] for r in results[name])
-        rss = statistics.median(r["peak_rss_mb"] for r in results[name])
-        table[name] = {"step_s": step, "peak_rss_mb": rss, "runs": results[name]}
-        print(f"| {name} | {step:.3f} | {step / base:.2f}x | {rss:.0f} | {rss / base_rss:.2f}x |")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"parameters": n_params, "args": vars(args), "layouts": table}, f, indent=2)
+    rows = [
+        [name, f"{t['step_s']:.3f}", f"{t['step_s'] / base['step_s']:.2f}x", f"{t['peak_rss_mb']:.0f}"]
+        + [f"{t['peak_rss_mb'] / base['peak_rss_mb']:.2f}x"]
+        for name, t in table.items()
+    ]
+    header = ["layout", "step (s)", f"vs {names[0]}", "peak RSS per process (MB)", f"vs {names[0]}"]
+    markdown = markdown_table(header, rows)
+    print(markdown)
+    report = {
+        "parameters": n_params,
+        "args": vars(args),
+        "layouts": table,
+        "environment": environment("bench/bench_distributed.py", sys.argv[1:], args, libs=("torch", "transformers")),
+        "table_markdown": markdown,
+    }
+    write_report(args.json, report)
 
 
 if __name__ == "__main__":

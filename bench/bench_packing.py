@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -47,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from bench.harness import environment, markdown_table, rotated, write_report
 from llm.data.packing import causal_example, collate, pack
 from llm.utils.attention import PACKED_SDPA
 from llm.utils.modeling import tiny_config
@@ -345,8 +345,7 @@ def main(argv=None) -> dict:
     loss_count = {m: 0 for m in methods}
     for rep in range(args.repeats):
         for k in range(n_chunks):
-            shift = (rep + k) % len(methods)
-            for name in methods[shift:] + methods[:shift]:
+            for name in rotated(methods, rep + k):
                 chunk_probe[name].append(probe())
                 sec, ls, lc = run_chunk(models[name], chunks[name][k], autocast)
                 chunk_sec[name][rep][k] = sec
@@ -421,19 +420,20 @@ def main(argv=None) -> dict:
         f"{ {m: round(r['loss'], 6) for m, r in results.items()} }, max gap {loss_gap:.1e}"
     )
     print()
-    bf16_col = " model FLOP/s / bf16 peak |" if peak_bf16 else ""
-    print(
-        "| method | pad | real tokens/s | vs padded | s/epoch | model GFLOP/s (6N) | / fp32 peak "
-        "| GFLOP/s incl. attn + lm_head | / fp32 peak | 6N / probe during run |" + bf16_col
+    header = (
+        "method | pad | real tokens/s | vs padded | s/epoch | model GFLOP/s (6N) | / fp32 peak | "
+        "GFLOP/s incl. attn + lm_head | / fp32 peak | 6N / probe during run"
+        + (" | model FLOP/s / bf16 peak" if peak_bf16 else "")
     )
-    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if peak_bf16 else ""))
-    for name, r in results.items():
-        extra = f" {r['mfu_bf16']:.0%} |" if peak_bf16 else ""
-        print(
-            f"| {r['label']} | {r['pad_ratio']:.0%} | {r['tokens_per_s']:,.0f} | {r['vs_padded']:.2f}x | "
-            f"{r['seconds_per_epoch']:.1f} | {r['model_flops_per_s'] / 1e9:.1f} | {r['mfu_fp32']:.0%} | "
-            f"{r['full_flops_per_s'] / 1e9:.1f} | {r['full_mfu_fp32']:.0%} | {r['mfu_vs_probe']:.0%} |{extra}"
-        )
+    rows = [
+        f"{r['label']} | {r['pad_ratio']:.0%} | {r['tokens_per_s']:,.0f} | {r['vs_padded']:.2f}x | "
+        f"{r['seconds_per_epoch']:.1f} | {r['model_flops_per_s'] / 1e9:.1f} | {r['mfu_fp32']:.0%} | "
+        f"{r['full_flops_per_s'] / 1e9:.1f} | {r['full_mfu_fp32']:.0%} | {r['mfu_vs_probe']:.0%}"
+        + (f" | {r['mfu_bf16']:.0%}" if peak_bf16 else "")
+        for r in results.values()
+    ]
+    table = markdown_table(header, rows)
+    print(table)
     print()
     pk = results["packed"]
     print(
@@ -476,9 +476,11 @@ def main(argv=None) -> dict:
         "bf16_peak_flops": peak_bf16,
         "results": results,
     }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    report["environment"] = environment(
+        "bench/bench_packing.py", sys.argv[1:] if argv is None else argv, args, libs=("torch", "transformers")
+    )
+    report["table_markdown"] = table
+    write_report(args.json, report)
     return report
 
 

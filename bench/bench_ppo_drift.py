@@ -1,6 +1,7 @@
 """Greedy drift, ours vs TRL 1.12 ``PPOTrainer``: same weights and prompts, greedy generation, N PPO steps.
 
-The parity test (tests/test_ppo_trl_parity.py) feeds both sides fixed responses; here both generate.
+The parity test (tests/test_ppo_trl_parity.py) feeds both sides fixed responses; here both generate, with
+the parity test's models and matched settings (copied into ``bench/ppo_sides.py``).
 TRL's ``PPOTrainer.train`` builds ``GenerationConfig(do_sample=True, temperature=T + 1e-7, top_k=0,
 top_p=1)`` inline, so greedy needs a patch: TRL's module-level ``batch_generation`` (the only user
 of that config) is wrapped to pass a copy with ``do_sample=False`` and temperature / top-k / top-p
@@ -37,7 +38,11 @@ sys.path.insert(0, ROOT)
 import numpy as np
 import torch
 
-from tests.test_ppo_trl_parity import models, ours_config, trl_args  # the parity test's matched settings
+from bench.harness import environment, markdown_table, patched, tokenizer, write_report
+from bench.ppo_sides import our_trainer, trl_trainer
+from bench.ppo_sides import parity_models as models  # the parity test's matched settings
+from bench.ppo_sides import parity_ours_config as ours_config
+from bench.ppo_sides import parity_trl_args as trl_args
 
 # <pad>, <s>, </s>: a random policy emits them under greedy; TRL would read a generated <pad> as the
 # end of the response (and move the score there), so both sides suppress them in generation
@@ -53,11 +58,7 @@ def snapshot(model) -> dict[str, torch.Tensor]:
 
 
 def run_trl(a) -> dict:
-    from datasets import Dataset
-    from trl.experimental.ppo import PPOTrainer as TRLTrainer
     from trl.experimental.ppo import ppo_trainer as trl_module
-
-    from tests.helpers import tokenizer
 
     tok = tokenizer()
     prompts = prompts_tensor(a)
@@ -92,34 +93,22 @@ def run_trl(a) -> dict:
         out["scores"].append(frame["scores"].mean().item())
         return original_whiten(values, mask, shift_mean)
 
-    trl_module.batch_generation = greedy_generation
-    trl_module.masked_whiten = spy_whiten
-    np_perm = np.random.permutation
-    np.random.permutation = lambda n: np.arange(n)
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            args = trl_args(tmp, a.batch, a.steps, a.response_len, a.lr)
-            trainer = TRLTrainer(
-                args=args,
-                processing_class=tok,
-                model=policy,
-                ref_model=ref,
-                reward_model=reward,
-                train_dataset=Dataset.from_dict({"input_ids": prompts.tolist()}),
-                value_model=critic,
-            )
-            original_step = trainer.optimizer.step
+    with (
+        patched(trl_module, batch_generation=greedy_generation, masked_whiten=spy_whiten),
+        patched(np.random, permutation=lambda n: np.arange(n)),  # TRL's mini-batch shuffle: none
+        tempfile.TemporaryDirectory() as tmp,
+    ):
+        args = trl_args(tmp, a.batch, a.steps, a.response_len, a.lr)
+        trainer = trl_trainer(args, tok, (policy, ref, critic, reward), prompts.tolist())
+        original_step = trainer.optimizer.step
 
-            def spy_step(*s_args, **s_kwargs):
-                frame = inspect.currentframe().f_back.f_locals
-                out["losses"].append((frame["pg_loss"].item(), frame["vf_loss"].item()))
-                return original_step(*s_args, **s_kwargs)
+        def spy_step(*s_args, **s_kwargs):
+            frame = inspect.currentframe().f_back.f_locals
+            out["losses"].append((frame["pg_loss"].item(), frame["vf_loss"].item()))
+            return original_step(*s_args, **s_kwargs)
 
-            trainer.optimizer.step = spy_step
-            trainer.train()
-    finally:
-        trl_module.batch_generation, trl_module.masked_whiten = original_gen, original_whiten
-        np.random.permutation = np_perm
+        trainer.optimizer.step = spy_step
+        trainer.train()
     per = len(out["losses"]) // a.steps
     out["pg"] = [float(np.mean([x[0] for x in out["losses"][s * per : (s + 1) * per]])) for s in range(a.steps)]
     out["vf"] = [float(np.mean([x[1] for x in out["losses"][s * per : (s + 1) * per]])) for s in range(a.steps)]
@@ -127,10 +116,7 @@ def run_trl(a) -> dict:
 
 
 def run_ours(a, orders) -> dict:
-    from llm.alignment.ppo.build import trainer_for_models
-    from llm.alignment.ppo.trainer import Prompt
     from llm.utils.attention import PACKED_SDPA
-    from tests.helpers import tokenizer
 
     tok = tokenizer()
     prompts = prompts_tensor(a)
@@ -139,8 +125,8 @@ def run_ours(a, orders) -> dict:
         policy.generation_config.suppress_tokens = SPECIAL  # generate() builds on the model's config
     B = a.batch
     config = ours_config(B, a.steps, a.lr, do_sample=False, max_response_length=a.response_len, ignore_eos=True)
-    prompt_list = [Prompt(p.tolist(), f"prompt {i}", None) for i, p in enumerate(prompts)]
-    trainer = trainer_for_models(config, prompt_list, tok, policy, ref, critic, reward)
+    labels = [f"prompt {i}" for i in range(len(prompts))]
+    trainer = our_trainer(config, prompts.tolist(), tok, (policy, ref, critic, reward), labels)
     trainer.prompt_indices = lambda step: orders[step]
     out = {"responses": [], "weights": [], "scores": [], "pg": [], "vf": []}
     rollout, captured = trainer.rollout, []
@@ -244,22 +230,29 @@ def main() -> None:
         f"Greedy PPO drift, B={a.batch} prompts x {a.prompt_len} tokens, {a.response_len} greedy tokens, "
         f"lr {a.lr}, {a.steps} steps"
     )
-    print(
-        "| step | identical responses | max abs actor weight diff | max abs logit diff | min top-2 logit gap | mean score ours / TRL | "
-        "abs diff score / policy loss / value loss |"
+    header = (
+        "step | identical responses | max abs actor weight diff | max abs logit diff | min top-2 logit gap | "
+        "mean score ours / TRL | abs diff score / policy loss / value loss"
     )
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['step']} | {r['identical']:.2f} | {r['weight_diff']:.1e} | {r['logit_diff']:.1e} | "
-            f"{r['min_top2_gap']:.1e} | "
-            f"{r['score'][0]:.5f} / {r['score'][1]:.5f} | {abs(r['score'][0] - r['score'][1]):.1e} / "
-            f"{abs(r['pg'][0] - r['pg'][1]):.1e} / {abs(r['vf'][0] - r['vf'][1]):.1e} |"
-        )
+    table = markdown_table(
+        header,
+        (
+            f"{r['step']} | {r['identical']:.2f} | {r['weight_diff']:.1e} | {r['logit_diff']:.1e} | "
+            f"{r['min_top2_gap']:.1e} | {r['score'][0]:.5f} / {r['score'][1]:.5f} | "
+            + " / ".join(f"{abs(r[k][0] - r[k][1]):.1e}" for k in ("score", "pg", "vf"))
+            for r in rows
+        ),
+    )
+    print(table)
     print("first divergence:", json.dumps(first, indent=1) if first else "none")
-    if a.out:
-        with open(a.out, "w", encoding="utf-8") as f:
-            json.dump({"args": vars(a), "rows": rows, "first_divergence": first}, f, indent=1)
+    report = {
+        "args": vars(a),
+        "rows": rows,
+        "first_divergence": first,
+        "environment": environment("bench/bench_ppo_drift.py", sys.argv[1:], a),
+        "table_markdown": table,
+    }
+    write_report(a.out, report, indent=1)
 
 
 if __name__ == "__main__":

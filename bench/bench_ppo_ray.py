@@ -37,6 +37,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.harness import TOKENIZER, after_warmup, environment, markdown_table, medians, run_interleaved, write_report
+
 PHASES = ("time/rollout", "time/score", "time/update", "time/step")
 MODES = {
     "local": {},
@@ -76,7 +78,7 @@ def model_dir(tmp: str, hidden: int, layers: int) -> str:
 def write_config(tmp: str, a, model: str, pool: dict) -> str:
     with open(os.path.join(ROOT, "llm", "config", "tiny", "ppo_argument.json"), encoding="utf-8") as f:
         cfg = json.load(f)
-    tok = os.path.join(ROOT, "llm", "assets", "tiny_tokenizer")
+    tok = TOKENIZER
     cfg["training"].update(output_dir=os.path.join(tmp, "out"), report_to="none", disable_tqdm=True, save_steps=0)
     cfg["training"]["micro_batch_size"] = a.batch * a.samples
     cfg["actor_rollout"].update(
@@ -114,7 +116,7 @@ def run_mode(path: str, steps: int) -> dict:
     with placed_roles(c) as roles:
         trainer = build_ppo(c, load_prompts(c), roles)
         setup = time.perf_counter() - t0
-        metrics = [trainer.train_step() for _ in range(steps)][1:]  # the first step is a warm-up
+        metrics = after_warmup([trainer.train_step() for _ in range(steps)], 1)  # the first step is a warm-up
     return {"setup": setup, "steps": [{k: m[k] for k in PHASES} for m in metrics]}
 
 
@@ -141,32 +143,37 @@ def main() -> None:
     t0 = time.perf_counter()
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=200 * 1024**2, log_to_driver=False)
     ray_init = time.perf_counter() - t0
-    results: dict[str, list] = {m: [] for m in modes}
     try:
         with tempfile.TemporaryDirectory() as tmp:
             model = model_dir(tmp, a.hidden, a.layers)
-            for _ in range(a.repeats):
-                for mode in modes:
-                    results[mode].append(run_mode(write_config(tmp, a, model, MODES[mode]), a.steps))
-                    print(f"{mode}: setup {results[mode][-1]['setup']:.1f} s", file=sys.stderr, flush=True)
+
+            def run(mode, rep):  # the modes in the same order every round: all of them share this process's Ray
+                return run_mode(write_config(tmp, a, model, MODES[mode]), a.steps)
+
+            describe = lambda r: f"setup {r['setup']:.1f} s"
+            results = run_interleaved(modes, a.repeats, run, rotate=False, describe=describe, stream=sys.stderr)
     finally:
         ray.shutdown()
     print(f"\nray.init: {ray_init:.1f} s; {a.batch} prompts x {a.samples} samples x {a.response_len} tokens; ", end="")
     print(f"Llama hidden {a.hidden}, {a.layers} layers; {a.repeats} x {a.steps - 1} timed steps per mode\n")
-    print("| mode | setup s | rollout s | score s | update s | step s | step vs local |")
-    print("|---|---|---|---|---|---|---|")
-    base = None
+    rows, base = [], None
     for mode in modes:
-        steps = [s for run in results[mode] for s in run["steps"]]
-        med = {k: statistics.median(s[k] for s in steps) for k in PHASES}
+        med = medians([s for run in results[mode] for s in run["steps"]], PHASES)
         setup = statistics.median(run["setup"] for run in results[mode])
         base = med["time/step"] if mode == "local" else base
         ratio = f"{med['time/step'] / base:.2f}x ({(med['time/step'] - base) * 1000:+.0f} ms)" if base else "-"
-        cells = " | ".join(f"{med[k]:.3f}" for k in PHASES)
-        print(f"| {mode} | {setup:.1f} | {cells} | {ratio} |")
-    if a.json:
-        with open(a.json, "w", encoding="utf-8") as f:
-            json.dump({"args": vars(a), "ray_init_s": ray_init, "results": results}, f, indent=1)
+        rows.append([mode, f"{setup:.1f}", *(f"{med[k]:.3f}" for k in PHASES), ratio])
+    header = ["mode", "setup s", "rollout s", "score s", "update s", "step s", "step vs local"]
+    table = markdown_table(header, rows)
+    print(table)
+    report = {
+        "args": vars(a),
+        "ray_init_s": ray_init,
+        "results": results,
+        "environment": environment("bench/bench_ppo_ray.py", sys.argv[1:], a, libs=("torch", "transformers", "ray")),
+        "table_markdown": table,
+    }
+    write_report(a.json, report, indent=1)
 
 
 if __name__ == "__main__":

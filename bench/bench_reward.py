@@ -56,34 +56,38 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.common import (
-    CALM,
-    add_profiler,
-    add_step_clock,
+from bench.harness import (
+    TOKENIZER,
+    Counting,
     add_worker_flags,
+    counts,
+    data_subset,
     environment,
+    forward_flags,
+    markdown_table,
+    matched_batch,
+    measure_training,
+    num,
     on_cpu,
     profile_summary,
-    rss_mib,
+    ratios,
+    run_interleaved,
     run_worker,
     start_worker,
     summarize_runs,
-    timed_window,
+    throughput,
+    trainer_facts,
     worker_result,
     write_report,
 )
 
-TOKENIZER = os.path.join(ROOT, "llm/assets/tiny_tokenizer")
 DATA = {
     "orm": os.path.join(ROOT, "llm/data/sample/pairs_train.jsonl"),
     "prm": os.path.join(ROOT, "llm/data/sample/prm_train.jsonl"),
@@ -101,6 +105,23 @@ MEDIAN_KEYS = (
     "timed_seconds",
 )
 RATIO_KEYS = (*MEDIAN_KEYS[:5], "calm_tokens_per_second", "fastest_steps_tokens_per_second")
+SAME_IN_EVERY_RUN = (
+    "examples_per_step",
+    "real_tokens_per_example",
+    "pad_ratio",
+    "pack_stats_pad_ratio",
+    "steps",
+    "examples",
+    "real_tokens_epoch",
+    "slots_per_step",
+    "parameters",
+    "optimizer",
+    "threads",
+    "activation_checkpointing",
+    "attn_implementation",
+)
+# the settings a worker gets from the driver (besides --trl-batch, set per task)
+WORKER_SETTINGS = ("max_seq_len", "max_prompt_len", "warmup_steps", "threads", "lr", "seed", "profile")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -137,42 +158,24 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------------------------- worker
 
 
-class Counting:
-    """Wraps a collator; records (real tokens, input_ids elements, examples) of every batch built."""
-
-    def __init__(self, collate, kind: str):
-        self.collate, self.kind, self.batches = collate, kind, []
-
-    def __call__(self, features):
-        batch = self.collate(features)
-        if self.kind == "ours":
-            self.batches.append((batch.num_real_tokens, batch.input_ids.numel(), batch.num_examples))
-        else:
-            ids, mask = batch["input_ids"], batch["attention_mask"]
-            n = ids.shape[0] // 2 if self.kind == "trl_pairs" else ids.shape[0]
-            self.batches.append((int(mask.sum()), ids.numel(), n))
-        return batch
+def our_counts(batch) -> tuple:
+    """``counts`` of one of our packed batches."""
+    return counts(batch.num_real_tokens, batch.input_ids.numel(), batch.num_examples)
 
 
-def run_side(args) -> dict:
-    start_worker(args.threads)
-    import datasets
-    import torch
-    import transformers
-    import trl
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
-    from trl.experimental.prm import PRMConfig, PRMTrainer
+def trl_counts(pairs: bool):
+    """``counts`` of a TRL batch (padded; ``pairs``: chosen + rejected rows, two per example)."""
 
-    from llm.alignment.rm.build import build_reward_trainer
-    from llm.data.readers import load_dataset_records
-    from llm.utils.arguments import DataArgument, ModelArgument, TrainingArguments
-    from llm.utils.modeling import load_tokenizer
+    def trl(batch) -> tuple:
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        return counts(int(mask.sum()), ids.numel(), ids.shape[0] // 2 if pairs else ids.shape[0])
 
-    task, side = args.side.split(":")
-    model_dir = os.path.join(args.workdir, "model")
-    data_path = os.path.join(args.workdir, f"{task}.jsonl")
-    out_dir = tempfile.mkdtemp(prefix=f"{task}_{side}_", dir=args.workdir)
-    common = {
+    return trl
+
+
+def training_settings(args, out_dir: str) -> dict:
+    """The Trainer settings both sides share."""
+    return {
         "output_dir": out_dir,
         "num_train_epochs": 1,
         "learning_rate": args.lr,
@@ -194,132 +197,111 @@ def run_side(args) -> dict:
         "gradient_accumulation_steps": 1,
     }
 
-    if side == "ours":
-        model_args = ModelArgument(
-            model_name_or_path=model_dir, tokenizer_name_or_path=TOKENIZER, init_from_config=True
+
+def build_ours(args, task: str, model_dir: str, data_path: str, common: dict):
+    """orm/ours, prm/ours: ``build_reward_trainer``; returns (trainer, counter, pack pad ratio, examples)."""
+    from llm.alignment.rm.build import build_reward_trainer
+    from llm.utils.arguments import DataArgument, ModelArgument, TrainingArguments
+
+    model_args = ModelArgument(model_name_or_path=model_dir, tokenizer_name_or_path=TOKENIZER, init_from_config=True)
+    data_args = DataArgument(
+        train_dataset_path=data_path,
+        max_seq_len=args.max_seq_len,
+        max_prompt_len=args.max_prompt_len,
+        zero_padding=True,
+        greedy_zero_padding=True,
+    )
+    training_args = TrainingArguments(per_device_train_batch_size=1, process_reward=(task == "prm"), **common)
+    trainer, train, _ = build_reward_trainer(model_args, data_args, training_args)
+    return trainer, Counting(trainer.data_collator, our_counts), train.stats.pad_ratio, train.stats.examples
+
+
+def build_trl(args, task: str, model_dir: str, data_path: str, common: dict):
+    """orm/trl: ``trl.RewardTrainer``; prm/trl: ``PRMTrainer``; returns (trainer, counter, None, examples)."""
+    import datasets
+    import torch
+    import transformers
+    import trl
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
+    from trl.experimental.prm import PRMConfig, PRMTrainer
+
+    from llm.data.readers import load_dataset_records
+    from llm.utils.modeling import load_tokenizer
+
+    tokenizer = load_tokenizer(TOKENIZER)
+    cfg = AutoConfig.from_pretrained(model_dir)
+    cfg.pad_token_id = tokenizer.pad_token_id
+    records = list(load_dataset_records(data_path, "pair" if task == "orm" else "prm"))
+
+    def prompt_text(rec) -> str:  # = llm.data.tokenize.render_prompt without chat template
+        return "\n".join(m["content"] for m in rec.prompt) + "\n"
+
+    def _with_labels(config, n: int):  # deep copy: transformers writes attn_implementation into it
+        config = copy.deepcopy(config)
+        config.num_labels = n
+        return config
+
+    transformers.set_seed(args.seed)
+    if task == "orm":
+        rows = [{"prompt": prompt_text(r), "chosen": r.chosen, "rejected": r.rejected} for r in records]
+        model = AutoModelForSequenceClassification.from_config(
+            _with_labels(cfg, 1), attn_implementation="sdpa", dtype=torch.float32
         )
-        data_args = DataArgument(
-            train_dataset_path=data_path,
-            max_seq_len=args.max_seq_len,
-            max_prompt_len=args.max_prompt_len,
-            zero_padding=True,
-            greedy_zero_padding=True,
+        config = trl.RewardConfig(
+            per_device_train_batch_size=int(args.trl_batch),
+            activation_checkpointing=False,
+            max_length=args.max_seq_len,
+            center_rewards_coefficient=None,
+            **common,
         )
-        training_args = TrainingArguments(per_device_train_batch_size=1, process_reward=(task == "prm"), **common)
-        trainer, train, _ = build_reward_trainer(model_args, data_args, training_args)
-        counter = Counting(trainer.data_collator, "ours")
-        pack_pad = train.stats.pad_ratio
-        n_examples = train.stats.examples
+        trainer = trl.RewardTrainer(
+            model=model, args=config, train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer
+        )
     else:
-        tokenizer = load_tokenizer(TOKENIZER)
-        cfg = AutoConfig.from_pretrained(model_dir)
-        cfg.pad_token_id = tokenizer.pad_token_id
-        records = list(load_dataset_records(data_path, "pair" if task == "orm" else "prm"))
+        rows = [
+            {"prompt": prompt_text(r), "completions": list(r.steps), "labels": [lab == "+" for lab in r.labels]}
+            for r in records
+        ]
+        model = AutoModelForTokenClassification.from_config(
+            _with_labels(cfg, 2), attn_implementation="sdpa", dtype=torch.float32
+        )
+        config = PRMConfig(
+            per_device_train_batch_size=int(args.trl_batch),
+            activation_checkpointing=False,
+            max_length=args.max_seq_len,
+            step_separator="\n",
+            **common,
+        )
+        trainer = PRMTrainer(
+            model=model, args=config, train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer
+        )
+    return trainer, Counting(trainer.data_collator, trl_counts(task == "orm")), None, len(rows)
 
-        def prompt_text(rec) -> str:  # = llm.data.tokenize.render_prompt without chat template
-            return "\n".join(m["content"] for m in rec.prompt) + "\n"
 
-        def _with_labels(config, n: int):  # deep copy: transformers writes attn_implementation into it
-            config = copy.deepcopy(config)
-            config.num_labels = n
-            return config
-
-        transformers.set_seed(args.seed)
-        if task == "orm":
-            rows = [{"prompt": prompt_text(r), "chosen": r.chosen, "rejected": r.rejected} for r in records]
-            model = AutoModelForSequenceClassification.from_config(
-                _with_labels(cfg, 1), attn_implementation="sdpa", dtype=torch.float32
-            )
-            config = trl.RewardConfig(
-                per_device_train_batch_size=int(args.trl_batch),
-                activation_checkpointing=False,
-                max_length=args.max_seq_len,
-                center_rewards_coefficient=None,
-                **common,
-            )
-            trainer = trl.RewardTrainer(
-                model=model, args=config, train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer
-            )
-            counter = Counting(trainer.data_collator, "trl_pairs")
-        else:
-            rows = [
-                {"prompt": prompt_text(r), "completions": list(r.steps), "labels": [lab == "+" for lab in r.labels]}
-                for r in records
-            ]
-            model = AutoModelForTokenClassification.from_config(
-                _with_labels(cfg, 2), attn_implementation="sdpa", dtype=torch.float32
-            )
-            config = PRMConfig(
-                per_device_train_batch_size=int(args.trl_batch),
-                activation_checkpointing=False,
-                max_length=args.max_seq_len,
-                step_separator="\n",
-                **common,
-            )
-            trainer = PRMTrainer(
-                model=model, args=config, train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer
-            )
-            counter = Counting(trainer.data_collator, "trl_tokens")
-        pack_pad = None
-        n_examples = len(rows)
-
+def run_side(args) -> dict:
+    """One (task, side) run in this process: build, train one epoch, count and time it."""
+    start_worker(args.threads)
+    task, side = args.side.split(":")
+    data_path = os.path.join(args.workdir, f"{task}.jsonl")
+    common = training_settings(args, tempfile.mkdtemp(prefix=f"{task}_{side}_", dir=args.workdir))
+    build = build_ours if side == "ours" else build_trl
+    trainer, counter, pack_pad, n_examples = build(args, task, os.path.join(args.workdir, "model"), data_path, common)
     trainer.data_collator = counter
-    stamps, cpu_stamps = add_step_clock(trainer)
-    # torch.profiler (op level, with Python stacks) over steps warmup+1 .. warmup+N
-    prof = add_profiler(trainer, args.warmup_steps, args.profile) if args.profile else None
-
-    n_params = sum(p.numel() for p in trainer.model.parameters())
-    pre_train_rss = rss_mib()
-    t0, c0 = time.perf_counter(), time.process_time()
-    trainer.train()
-    total = time.perf_counter() - t0
-    peak_rss = rss_mib()
-
-    clock = timed_window(stamps, cpu_stamps, t0, c0, args.warmup_steps)
-    steps, w = clock["steps"], clock["warmup"]
-    seconds, cpu_seconds, step_times = clock["seconds"], clock["cpu_seconds"], clock["step_times"]
-    timed = counter.batches[w:steps]
-    real = sum(b[0] for b in timed)
-    examples = sum(b[2] for b in timed)
-    all_real = sum(b[0] for b in counter.batches[:steps])
+    facts = trainer_facts(trainer)
+    m = measure_training(trainer, args.warmup_steps, args.profile)
     result = {
         "task": task,
         "side": side,
-        "steps": steps,
-        "timed_steps": steps - w,
-        "timed_seconds": seconds,
-        "train_seconds_total": total,
         "examples": n_examples,
-        "examples_per_step": sum(b[2] for b in counter.batches[:steps]) / steps,
-        "real_tokens_epoch": all_real,
-        "real_tokens_per_example": all_real / max(n_examples, 1),
-        "timed_cpu_seconds": cpu_seconds,
-        "timed_real_tokens": real,
-        "step_real_tokens": [b[0] for b in timed],
-        "tokens_per_second": real / seconds,
-        "tokens_per_cpu_second": real / cpu_seconds,
-        "step_seconds": step_times,
-        "examples_per_second": examples / seconds,
-        "pad_ratio": 1.0 - sum(b[0] for b in counter.batches[:steps]) / sum(b[1] for b in counter.batches[:steps]),
+        **throughput(m, counter.batches),
         "pack_stats_pad_ratio": pack_pad,
-        "slots_per_step": sum(b[1] for b in counter.batches[:steps]) / steps,
-        "peak_rss_mib": peak_rss,
-        "pre_train_rss_mib": pre_train_rss,
-        "train_added_rss_mib": peak_rss - pre_train_rss,
-        "parameters": n_params,
-        "optimizer": str(trainer.args.optim),
-        "activation_checkpointing": bool(trainer.args.activation_checkpointing),
-        "attn_implementation": trainer.model.config._attn_implementation,
-        "threads": torch.get_num_threads(),
+        **facts,
     }
-    if prof is not None:
-        w0 = args.warmup_steps
-        result["profile"] = profile_summary(
-            prof,
-            args.profile,
-            real_tokens=sum(b[0] for b in counter.batches[w0 : w0 + args.profile]),
-            slots=sum(b[1] for b in counter.batches[w0 : w0 + args.profile]),
-        )
+    result["real_tokens_per_example"] = result["real_tokens_epoch"] / max(n_examples, 1)
+    if m["profiler"] is not None:
+        profiled = counter.batches[args.warmup_steps : args.warmup_steps + args.profile]
+        real, slots = (sum(b[i] for b in profiled) for i in (0, 2))
+        result["profile"] = profile_summary(m["profiler"], args.profile, real_tokens=real, slots=slots)
     return result
 
 
@@ -350,13 +332,8 @@ def prepare(args, workdir: str) -> dict:
     info = {}
     for task in args.tasks:
         n = args.pairs if task == "orm" else args.prm_examples
-        with open(DATA[task], encoding="utf-8") as f:
-            lines = [line for line in f if line.strip()][:n]
-        if len(lines) < n:
-            print(f"warning: {DATA[task]} has only {len(lines)} records (asked {n})", file=sys.stderr)
         path = os.path.join(workdir, f"{task}.jsonl")
-        with open(path, "w", encoding="utf-8") as f:
-            f.writelines(lines)
+        records = data_subset(DATA[task], n, path)
         data = build_reward_data(
             path,
             tokenizer,
@@ -371,37 +348,13 @@ def prepare(args, workdir: str) -> dict:
             1,
             args.seed,
         )
-        per_row = data.stats.examples / data.stats.rows
-        batch = max(1, round(per_row)) if args.trl_batch == "auto" else int(args.trl_batch)
         info[task] = {
-            "records": len(lines),
+            "records": records,
             "our_rows": data.stats.rows,
-            "our_examples_per_row": per_row,
-            "trl_batch": batch,
+            "our_examples_per_row": data.stats.examples / data.stats.rows,
+            "trl_batch": matched_batch(data.stats, args.trl_batch),
         }
     return info
-
-
-def run_subprocess(args, task: str, side: str, workdir: str, trl_batch: int) -> dict:
-    argv = [
-        "--trl-batch",
-        str(trl_batch),
-        "--max-seq-len",
-        str(args.max_seq_len),
-        "--max-prompt-len",
-        str(args.max_prompt_len),
-        "--warmup-steps",
-        str(args.warmup_steps),
-        "--threads",
-        str(args.threads),
-        "--lr",
-        str(args.lr),
-        "--seed",
-        str(args.seed),
-        "--profile",
-        str(args.profile),
-    ]
-    return run_worker(__file__, f"{task}:{side}", workdir, argv, ROOT, echo=bool(args.profile))
 
 
 def fastest_steps_rate(runs: list[dict]) -> float:
@@ -414,40 +367,43 @@ def fastest_steps_rate(runs: list[dict]) -> float:
     return runs[0]["timed_real_tokens"] / sum(min(r["step_seconds"][i] for r in runs) for i in range(n))
 
 
-def _num(x: float, fmt: str, suffix: str = "") -> str:
-    return "n/a" if math.isnan(x) else format(x, fmt) + suffix  # NaN: no run qualified
+HEADER = (
+    "task | side | examples/step | real tok/example | pad ratio | real tokens/s | examples/s | real tokens/CPU-s | "
+    "on CPU | real tokens/s, runs >= 95% on CPU | real tokens/s, fastest of each step | peak RSS MiB | "
+    "train-added RSS MiB | runs"
+)
 
 
 def fmt_table(summary: dict) -> str:
-    lines = [
-        (
-            "| task | side | examples/step | real tok/example | pad ratio | real tokens/s | examples/s | "
-            "real tokens/CPU-s | on CPU | real tokens/s, runs >= 95% on CPU | real tokens/s, fastest of each step | "
-            "peak RSS MiB | train-added RSS MiB | runs |"
-        ),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for task, s in summary.items():
         for side in SIDES:
             m = s[side]
-            lines.append(
-                f"| {task.upper()} | {side} | {m['examples_per_step']:.1f} | {m['real_tokens_per_example']:.1f} | "
+            rows.append(
+                f"{task.upper()} | {side} | {m['examples_per_step']:.1f} | {m['real_tokens_per_example']:.1f} | "
                 f"{m['pad_ratio']:.1%} | {m['tokens_per_second']:.0f} | {m['examples_per_second']:.2f} | "
                 f"{m['tokens_per_cpu_second']:.0f} | {m['on_cpu']:.0%} | "
-                f"{_num(m['calm_tokens_per_second'], '.0f')} ({m['calm_runs']}) | "
-                f"{_num(m['fastest_steps_tokens_per_second'], '.0f')} | {m['peak_rss_mib']:.0f} | "
-                f"{m['train_added_rss_mib']:.0f} | {m['runs']} |"
+                f"{num(m['calm_tokens_per_second'], '.0f')} ({m['calm_runs']}) | "
+                f"{num(m['fastest_steps_tokens_per_second'], '.0f')} | {m['peak_rss_mib']:.0f} | "
+                f"{m['train_added_rss_mib']:.0f} | {m['runs']}"
             )
-        r = s["ratio_ours_over_trl"]
-        goal = GOALS[task]
+        r, goal = s["ratio_ours_over_trl"], GOALS[task]
         verdict = "met" if r["tokens_per_second"] >= goal else "NOT met"
-        lines.append(
-            f"| {task.upper()} | **ours/TRL** | | | | **{r['tokens_per_second']:.2f}x** (goal >= {goal}x: {verdict}) | "
+        rows.append(
+            f"{task.upper()} | **ours/TRL** | | | | **{r['tokens_per_second']:.2f}x** (goal >= {goal}x: {verdict}) | "
             f"{r['examples_per_second']:.2f}x | {r['tokens_per_cpu_second']:.2f}x | | "
-            f"{_num(r['calm_tokens_per_second'], '.2f', 'x')} | {_num(r['fastest_steps_tokens_per_second'], '.2f', 'x')} | "
-            f"{r['peak_rss_mib']:.2f}x | {r['train_added_rss_mib']:.2f}x | |"
+            f"{num(r['calm_tokens_per_second'], '.2f', 'x')} | {num(r['fastest_steps_tokens_per_second'], '.2f', 'x')} | "
+            f"{r['peak_rss_mib']:.2f}x | {r['train_added_rss_mib']:.2f}x |"
         )
-    return "\n".join(lines)
+    return markdown_table(HEADER, rows)
+
+
+def describe(r: dict) -> str:
+    return (
+        f"{r['tokens_per_second']:.0f} real tok/s ({r['tokens_per_cpu_second']:.0f}/CPU-s), "
+        f"{r['examples_per_second']:.2f} ex/s, {r['steps']} steps, pad {r['pad_ratio']:.1%}, "
+        f"on CPU {on_cpu(r):.0%} of the timed wall time, peak RSS {r['peak_rss_mib']:.0f} MiB"
+    )
 
 
 def main(argv=None) -> dict:
@@ -456,55 +412,22 @@ def main(argv=None) -> dict:
         return worker_result(args.result, run_side(args))
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     assert all(t in DATA for t in args.tasks), args.tasks
-    started = time.time()
     with tempfile.TemporaryDirectory(prefix="bench_reward_") as workdir:
         info = prepare(args, workdir)
-        runs: dict = {t: {s: [] for s in SIDES} for t in args.tasks}
-        for rep in range(args.repeats):
-            for i, task in enumerate(args.tasks):
-                order = SIDES if (rep + i) % 2 == 0 else SIDES[::-1]
-                for side in order:
-                    r = run_subprocess(args, task, side, workdir, info[task]["trl_batch"])
-                    runs[task][side].append(r)
-                    print(
-                        f"[{time.time() - started:6.0f}s] rep {rep + 1}/{args.repeats} {task}/{side}: "
-                        f"{r['tokens_per_second']:.0f} real tok/s ({r['tokens_per_cpu_second']:.0f}/CPU-s), "
-                        f"{r['examples_per_second']:.2f} ex/s, {r['steps']} steps, pad {r['pad_ratio']:.1%}, "
-                        f"on CPU {on_cpu(r):.0%} of the timed wall time, peak RSS {r['peak_rss_mib']:.0f} MiB",
-                        flush=True,
-                    )
+
+        def run(task, side, rep):
+            argv = forward_flags(args, *WORKER_SETTINGS, trl_batch=info[task]["trl_batch"])
+            return run_worker(__file__, f"{task}:{side}", workdir, argv, ROOT, echo=bool(args.profile))
+
+        runs = run_interleaved({t: SIDES for t in args.tasks}, args.repeats, run, describe=describe)
     summary = {}
     for task in args.tasks:
         summary[task] = {}
         for side in SIDES:
             rs = runs[task][side]
-            summary[task][side] = m = summarize_runs(
-                rs,
-                MEDIAN_KEYS,
-                (
-                    "examples_per_step",
-                    "real_tokens_per_example",
-                    "pad_ratio",
-                    "pack_stats_pad_ratio",
-                    "steps",
-                    "examples",
-                    "real_tokens_epoch",
-                    "slots_per_step",
-                    "parameters",
-                    "optimizer",
-                    "threads",
-                    "activation_checkpointing",
-                    "attn_implementation",
-                ),
-            )
-            m["on_cpu"] = statistics.median(on_cpu(r) for r in rs)
-            m["on_cpu_all"] = [on_cpu(r) for r in rs]
-            calm = [r["tokens_per_second"] for r in rs if on_cpu(r) >= CALM]  # runs that had a core to themselves
-            m["calm_runs"] = len(calm)
-            m["calm_tokens_per_second"] = statistics.median(calm) if calm else float("nan")
+            summary[task][side] = m = summarize_runs(rs, MEDIAN_KEYS, SAME_IN_EVERY_RUN)
             m["fastest_steps_tokens_per_second"] = fastest_steps_rate(rs)
-        o, t = summary[task]["ours"], summary[task]["trl"]
-        summary[task]["ratio_ours_over_trl"] = {k: o[k] / t[k] if t[k] else float("nan") for k in RATIO_KEYS}
+        summary[task]["ratio_ours_over_trl"] = ratios(summary[task]["ours"], summary[task]["trl"], RATIO_KEYS)
         summary[task]["goal_tokens_per_second_ratio"] = GOALS[task]
     table = fmt_table(summary)
     print()

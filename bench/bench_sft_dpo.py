@@ -58,9 +58,7 @@ import argparse
 import copy
 import functools
 import json
-import math
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -68,25 +66,32 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.common import (
-    CALM,
-    add_profiler,
-    add_step_clock,
+from bench.harness import (
+    TOKENIZER,
+    Counting,
     add_worker_flags,
+    counts,
+    data_subset,
     environment,
-    median_of,
+    forward_flags,
+    markdown_table,
+    matched_batch,
+    measure_training,
+    num,
     on_cpu,
     profile_summary,
-    rss_mib,
+    ratios,
+    run_interleaved,
     run_worker,
     start_worker,
     summarize_runs,
-    timed_window,
+    throughput,
+    trainer_facts,
+    worker_env,
     worker_result,
     write_report,
 )
 
-TOKENIZER = os.path.join(ROOT, "llm/assets/tiny_tokenizer")
 CONFIGS = {
     "dpo": os.path.join(ROOT, "llm/config/tiny/dpo_argument.json"),
     "sft": os.path.join(ROOT, "llm/config/tiny/sft_argument.json"),
@@ -215,35 +220,33 @@ def sft_row(ex) -> dict:
     return {"input_ids": list(ex.input_ids), "labels": labels}
 
 
-class Counting:
-    """Wraps a collator; records per batch (real tokens, computed tokens, input_ids elements, examples, targets).
+# ``counts`` of one batch, on every side. real = each example's tokens once (a pair: prompt + chosen +
+# rejected); computed = non-pad tokens the model runs (TRL DPO: 2 x prompt + chosen + rejected); targets = loss
+# tokens (answer tokens).
 
-    real = each example's tokens once (a pair: prompt + chosen + rejected); computed = non-pad tokens the
-    model runs (TRL DPO: 2 x prompt + chosen + rejected); targets = loss tokens (answer tokens).
-    """
 
-    def __init__(self, collate, kind: str):
-        self.collate, self.kind, self.batches = collate, kind, []
+def our_counts(batch) -> tuple:
+    return counts(
+        batch.num_real_tokens, batch.input_ids.numel(), batch.num_examples, targets=batch.readout_index.numel()
+    )
 
-    def __call__(self, features):
-        batch = self.collate(features)
-        if self.kind == "ours":
-            n = batch.num_real_tokens
-            self.batches.append((n, n, batch.input_ids.numel(), batch.num_examples, batch.readout_index.numel()))
-        elif self.kind == "trl_dpo":
-            ids, mask, comp = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
-            pairs = ids.shape[0] // 2
-            computed = int(mask.sum())
-            prompts = int((mask[:pairs] - comp[:pairs]).sum())  # the prompt tokens of the chosen half
-            self.batches.append((computed - prompts, computed, ids.numel(), pairs, int(comp.sum())))
-        else:  # trl SFT: padded (attention_mask) or padding-free (one flat sequence, position_ids)
-            ids, labels = batch["input_ids"], batch["labels"]
-            if "attention_mask" in batch:
-                real, examples = int(batch["attention_mask"].sum()), ids.shape[0]
-            else:
-                real, examples = ids.numel(), int((batch["position_ids"] == 0).sum())
-            self.batches.append((real, real, ids.numel(), examples, int((labels[:, 1:] != -100).sum())))
-        return batch
+
+def trl_dpo_counts(batch) -> tuple:
+    ids, mask, comp = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
+    pairs = ids.shape[0] // 2
+    computed = int(mask.sum())
+    prompts = int((mask[:pairs] - comp[:pairs]).sum())  # the prompt tokens of the chosen half
+    return counts(computed - prompts, ids.numel(), pairs, computed, int(comp.sum()))
+
+
+def trl_lm_counts(batch) -> tuple:
+    """TRL SFT: padded (attention_mask) or padding-free (one flat sequence, position_ids)."""
+    ids, labels = batch["input_ids"], batch["labels"]
+    if "attention_mask" in batch:
+        real, examples = int(batch["attention_mask"].sum()), ids.shape[0]
+    else:
+        real, examples = ids.numel(), int((batch["position_ids"] == 0).sum())
+    return counts(real, ids.numel(), examples, targets=int((labels[:, 1:] != -100).sum()))
 
 
 def trl_common(training_args, out_dir: str) -> dict:
@@ -281,7 +284,7 @@ def trl_common(training_args, out_dir: str) -> dict:
 
 
 def build_trl(task: str, side: str, args, model_args, data_args, training_args, out_dir: str):
-    """The TRL trainer of ``side`` on our token ids; returns (trainer, Counting kind, examples)."""
+    """The TRL trainer of ``side`` on our token ids; returns (trainer, its batch counts, examples)."""
     import datasets
     import trl
     from transformers import AutoModelForCausalLM
@@ -328,7 +331,7 @@ def build_trl(task: str, side: str, args, model_args, data_args, training_args, 
             train_dataset=datasets.Dataset.from_list([split_pair(ex) for ex in examples]),
             processing_class=tokenizer,
         )
-        return trainer, "trl_dpo", len(examples)
+        return trainer, trl_dpo_counts, len(examples)
     packed = side == "trl_packed"
     config = trl.SFTConfig(
         per_device_train_batch_size=1 if packed else batch,
@@ -345,7 +348,7 @@ def build_trl(task: str, side: str, args, model_args, data_args, training_args, 
         train_dataset=datasets.Dataset.from_list([sft_row(ex) for ex in examples]),
         processing_class=tokenizer,
     )
-    return trainer, "trl_lm", len(examples)
+    return trainer, trl_lm_counts, len(examples)
 
 
 def weights_checksum(model) -> float:
@@ -356,9 +359,8 @@ def weights_checksum(model) -> float:
 
 
 def run_side(args) -> dict:
+    """One (task, side) run in this process: build, train one epoch, count and time it."""
     start_worker(args.threads)
-    import torch
-
     from llm.alignment.dpo.build import build_dpo_trainer
     from llm.alignment.sft.build import build_sft_trainer
 
@@ -369,69 +371,29 @@ def run_side(args) -> dict:
     if side == "ours":
         build = build_dpo_trainer if task == "dpo" else build_sft_trainer
         trainer, train, _ = build(model_args, data_args, training_args)
-        counter = Counting(trainer.data_collator, "ours")
-        n_examples = train.stats.examples
+        measure, n_examples = our_counts, train.stats.examples
     else:
-        trainer, kind, n_examples = build_trl(task, side, args, model_args, data_args, training_args, out_dir)
-        counter = Counting(trainer.data_collator, kind)
+        trainer, measure, n_examples = build_trl(task, side, args, model_args, data_args, training_args, out_dir)
     setup_seconds = time.perf_counter() - s0
-    trainer.data_collator = counter
-    stamps, cpu_stamps = add_step_clock(trainer)
-    prof = add_profiler(trainer, args.warmup_steps, args.profile) if args.profile else None
-
-    n_params = sum(p.numel() for p in trainer.model.parameters())
+    trainer.data_collator = counter = Counting(trainer.data_collator, measure)
+    facts = trainer_facts(trainer)
     checksum = weights_checksum(trainer.model)
-    pre_train_rss = rss_mib()
-    t0, c0 = time.perf_counter(), time.process_time()
-    out = trainer.train()
-    total = time.perf_counter() - t0
-    peak_rss = rss_mib()
-
-    clock = timed_window(stamps, cpu_stamps, t0, c0, args.warmup_steps)
-    steps, w, seconds = clock["steps"], clock["warmup"], clock["seconds"]
-    timed, epoch = counter.batches[w:steps], counter.batches[:steps]
-    col = lambda rows, i: sum(b[i] for b in rows)
+    m = measure_training(trainer, args.warmup_steps, args.profile)
     result = {
         "task": task,
         "side": side,
-        "steps": steps,
-        "timed_steps": steps - w,
-        "timed_seconds": seconds,
-        "timed_cpu_seconds": clock["cpu_seconds"],
-        "step_seconds": clock["step_times"],
-        "train_seconds_total": total,
         "setup_seconds": setup_seconds,
-        "train_loss": out.training_loss,
+        "train_loss": m["output"].training_loss,
         "examples": n_examples,
-        "examples_epoch": col(epoch, 3),
-        "examples_per_step": col(epoch, 3) / steps,
-        "real_tokens_epoch": col(epoch, 0),
-        "computed_tokens_epoch": col(epoch, 1),
-        "target_tokens_epoch": col(epoch, 4),
-        "real_tokens_per_example": col(epoch, 0) / max(col(epoch, 3), 1),
-        "tokens_per_second": col(timed, 0) / seconds,
-        "computed_tokens_per_second": col(timed, 1) / seconds,
-        "tokens_per_cpu_second": col(timed, 0) / clock["cpu_seconds"],
-        "examples_per_second": col(timed, 3) / seconds,
-        "pad_ratio": 1.0 - col(epoch, 1) / col(epoch, 2),
-        "slots_per_step": col(epoch, 2) / steps,
-        "peak_rss_mib": peak_rss,
-        "pre_train_rss_mib": pre_train_rss,
-        "train_added_rss_mib": peak_rss - pre_train_rss,
-        "parameters": n_params,
+        **throughput(m, counter.batches),
+        **facts,
         "initial_weights_checksum": checksum,
-        "optimizer": str(trainer.args.optim),
         "learning_rate": trainer.args.learning_rate,
         "batch_size": trainer.args.per_device_train_batch_size,
-        "activation_checkpointing": bool(trainer.args.activation_checkpointing),
-        "attn_implementation": trainer.model.config._attn_implementation,
-        "threads": torch.get_num_threads(),
     }
-    if prof is not None:
-        w0 = args.warmup_steps
-        result["profile"] = profile_summary(
-            prof, args.profile, real_tokens=col(counter.batches[w0 : w0 + args.profile], 0)
-        )
+    if m["profiler"] is not None:
+        profiled = counter.batches[args.warmup_steps : args.warmup_steps + args.profile]
+        result["profile"] = profile_summary(m["profiler"], args.profile, real_tokens=sum(b[0] for b in profiled))
     return result
 
 
@@ -457,14 +419,9 @@ def prepare(args, workdir: str) -> dict:
             raise SystemExit(f"the configs name different models ({model_path}, {path})")
         model_path = path
         n = args.pairs if task == "dpo" else args.sft_examples
-        with open(os.path.join(ROOT, cfg["train_dataset_path"]), encoding="utf-8") as f:
-            lines = [line for line in f if line.strip()][:n]
-        if len(lines) < n:
-            print(f"warning: {cfg['train_dataset_path']} has only {len(lines)} records (asked {n})", file=sys.stderr)
         data_path = os.path.join(workdir, f"{task}.jsonl")
-        with open(data_path, "w", encoding="utf-8") as f:
-            f.writelines(lines)
-        info[task] = {"records": len(lines), "config": os.path.relpath(CONFIGS[task], ROOT)}
+        records = data_subset(os.path.join(ROOT, cfg["train_dataset_path"]), n, data_path)
+        info[task] = {"records": records, "config": os.path.relpath(CONFIGS[task], ROOT)}
     config = AutoConfig.from_pretrained(model_path)
     sizes = {
         "hidden": "hidden_size",
@@ -486,31 +443,15 @@ def prepare(args, workdir: str) -> dict:
             data = build_pair_data(data_path, tokenizer, data_args, training_args.loss_type, 1, training_args.seed)
         else:
             data = build_sft_data(data_path, tokenizer, data_args, 1, training_args.seed)
-        per_row = data.stats.examples / data.stats.rows
-        batch = max(1, round(per_row)) if args.trl_batch == "auto" else int(args.trl_batch)
         info[task].update(
-            our_rows=data.stats.rows, our_examples_per_row=per_row, trl_batch=batch, max_seq_len=data_args.max_seq_len
+            our_rows=data.stats.rows,
+            our_examples_per_row=data.stats.examples / data.stats.rows,
+            trl_batch=matched_batch(data.stats, args.trl_batch),
+            max_seq_len=data_args.max_seq_len,
         )
         if task == "dpo":
             info[task]["precompute_ref_log_probs"] = training_args.precompute_ref_log_probs
     return info
-
-
-def run_subprocess(args, task: str, side: str, workdir: str, trl_batch: int) -> dict:
-    argv = [
-        "--trl-batch",
-        str(trl_batch),
-        "--warmup-steps",
-        str(args.warmup_steps),
-        "--threads",
-        str(args.threads),
-        "--profile",
-        str(args.profile),
-    ]
-    if args.dpo_ref:
-        argv += ["--dpo-ref", args.dpo_ref]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
-    return run_worker(__file__, f"{task}:{side}", workdir, argv, ROOT, env=env, echo=bool(args.profile))
 
 
 RATIO_KEYS = (
@@ -521,6 +462,7 @@ RATIO_KEYS = (
     "train_added_rss_mib",
     "calm_tokens_per_second",
 )
+MEDIAN_KEYS = (*RATIO_KEYS[:-1], "computed_tokens_per_second", "timed_seconds", "setup_seconds")
 SAME_IN_EVERY_RUN = (
     "examples_per_step",
     "real_tokens_per_example",
@@ -542,40 +484,36 @@ SAME_IN_EVERY_RUN = (
 )
 
 
-def _num(x: float, fmt: str, suffix: str = "") -> str:
-    return "n/a" if math.isnan(x) else format(x, fmt) + suffix  # NaN: no run qualified
+HEADER = (
+    "task | side | examples/step | real tok/example | pad | real tokens/s | computed tokens/s | pairs or examples/s | "
+    "real tokens/CPU-s | on CPU | real tokens/s, runs >= 95% on CPU | setup s | peak RSS MiB | train-added RSS MiB | runs"
+)
 
 
 def fmt_table(summary: dict) -> str:
-    lines = [
-        (
-            "| task | side | examples/step | real tok/example | pad | real tokens/s | computed tokens/s | "
-            "pairs or examples/s | real tokens/CPU-s | on CPU | real tokens/s, runs >= 95% on CPU | setup s | "
-            "peak RSS MiB | train-added RSS MiB | runs |"
-        ),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for task, s in summary.items():
         for side in s["sides"]:
             m = s[side]
-            lines.append(
-                f"| {task.upper()} | {side} | {m['examples_per_step']:.1f} | {m['real_tokens_per_example']:.1f} | "
+            rows.append(
+                f"{task.upper()} | {side} | {m['examples_per_step']:.1f} | {m['real_tokens_per_example']:.1f} | "
                 f"{m['pad_ratio']:.1%} | {m['tokens_per_second']:.0f} | {m['computed_tokens_per_second']:.0f} | "
                 f"{m['examples_per_second']:.2f} | {m['tokens_per_cpu_second']:.0f} | {m['on_cpu']:.0%} | "
-                f"{_num(m['calm_tokens_per_second'], '.0f')} ({m['calm_runs']}) | {m['setup_seconds']:.1f} | "
-                f"{m['peak_rss_mib']:.0f} | {m['train_added_rss_mib']:.0f} | {m['runs']} |"
+                f"{num(m['calm_tokens_per_second'], '.0f')} ({m['calm_runs']}) | {m['setup_seconds']:.1f} | "
+                f"{m['peak_rss_mib']:.0f} | {m['train_added_rss_mib']:.0f} | {m['runs']}"
             )
         goal_side, goal = GOALS[task]
         for side, r in s["ratio_ours_over"].items():
             verdict = ""
             if side == goal_side:
                 verdict = f" (goal >= {goal}x: {'met' if r['tokens_per_second'] >= goal else 'NOT met'})"
-            lines.append(
-                f"| {task.upper()} | **ours / {side}** | | | | **{r['tokens_per_second']:.2f}x**{verdict} | | "
+            rows.append(
+                f"{task.upper()} | **ours / {side}** | | | | **{r['tokens_per_second']:.2f}x**{verdict} | | "
                 f"{r['examples_per_second']:.2f}x | {r['tokens_per_cpu_second']:.2f}x | | "
-                f"{_num(r['calm_tokens_per_second'], '.2f', 'x')} | | {r['peak_rss_mib']:.2f}x | {r['train_added_rss_mib']:.2f}x | |"
+                f"{num(r['calm_tokens_per_second'], '.2f', 'x')} | | {r['peak_rss_mib']:.2f}x | "
+                f"{r['train_added_rss_mib']:.2f}x |"
             )
-    return "\n".join(lines)
+    return markdown_table(HEADER, rows)
 
 
 def check_same_work(task: str, runs: dict) -> list[str]:
@@ -598,6 +536,16 @@ def check_same_work(task: str, runs: dict) -> list[str]:
     return warnings
 
 
+def describe(r: dict) -> str:
+    return (
+        f"{r['tokens_per_second']:.0f} real tok/s ({r['tokens_per_cpu_second']:.0f}/CPU-s), "
+        f"{r['examples_per_second']:.2f} ex/s, {r['steps']} steps, pad {r['pad_ratio']:.1%}, "
+        f"on CPU {on_cpu(r):.0%} of the timed wall time, "
+        f"loss {r['train_loss']:.4f}, setup {r['setup_seconds']:.1f} s, "
+        f"peak RSS {r['peak_rss_mib']:.0f} MiB"
+    )
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.side:
@@ -606,46 +554,26 @@ def main(argv=None) -> dict:
     assert all(t in CONFIGS for t in args.tasks), args.tasks
     wanted = None if args.sides is None else {s.strip() for s in args.sides.split(",")} | {"ours"}
     sides = {t: tuple(s for s in SIDES[t] if wanted is None or s in wanted) for t in args.tasks}
-    started = time.time()
+    env = worker_env(args.threads, TOKENIZERS_PARALLELISM="false")
     with tempfile.TemporaryDirectory(prefix="bench_sft_dpo_") as workdir:
         info = prepare(args, workdir)
         print(f"data and model: {json.dumps(info)}", flush=True)
-        runs: dict = {t: {s: [] for s in sides[t]} for t in args.tasks}
-        for rep in range(args.repeats):
-            for i, task in enumerate(args.tasks):
-                k = (rep + i) % len(sides[task])
-                for side in sides[task][k:] + sides[task][:k]:  # the starting side rotates
-                    r = run_subprocess(args, task, side, workdir, info[task]["trl_batch"])
-                    runs[task][side].append(r)
-                    print(
-                        f"[{time.time() - started:6.0f}s] rep {rep + 1}/{args.repeats} {task}/{side}: "
-                        f"{r['tokens_per_second']:.0f} real tok/s ({r['tokens_per_cpu_second']:.0f}/CPU-s), "
-                        f"{r['examples_per_second']:.2f} ex/s, {r['steps']} steps, pad {r['pad_ratio']:.1%}, "
-                        f"on CPU {on_cpu(r):.0%} of the timed wall time, "
-                        f"loss {r['train_loss']:.4f}, setup {r['setup_seconds']:.1f} s, "
-                        f"peak RSS {r['peak_rss_mib']:.0f} MiB",
-                        flush=True,
-                    )
+
+        def run(task, side, rep):
+            argv = forward_flags(
+                args, "warmup_steps", "threads", "profile", "dpo_ref", trl_batch=info[task]["trl_batch"]
+            )
+            return run_worker(__file__, f"{task}:{side}", workdir, argv, ROOT, env=env, echo=bool(args.profile))
+
+        runs = run_interleaved(sides, args.repeats, run, describe=describe)
     summary: dict = {}
     warnings: list[str] = []
     for task in args.tasks:
         summary[task] = {"sides": list(sides[task])}
         for side in sides[task]:
-            rs = runs[task][side]
-            m = summarize_runs(
-                rs,
-                (*RATIO_KEYS[:-1], "computed_tokens_per_second", "timed_seconds", "setup_seconds"),
-                SAME_IN_EVERY_RUN,
-            )
-            m["on_cpu"] = statistics.median(on_cpu(r) for r in rs)
-            m["on_cpu_all"] = [on_cpu(r) for r in rs]
-            calm = [r for r in rs if on_cpu(r) >= CALM]  # runs that had a core to themselves
-            m["calm_runs"] = len(calm)
-            m["calm_tokens_per_second"] = median_of(calm, "tokens_per_second") if calm else float("nan")
-            summary[task][side] = m
-        o = summary[task]["ours"]
+            summary[task][side] = summarize_runs(runs[task][side], MEDIAN_KEYS, SAME_IN_EVERY_RUN)
         summary[task]["ratio_ours_over"] = {
-            side: {k: o[k] / summary[task][side][k] if summary[task][side][k] else float("nan") for k in RATIO_KEYS}
+            side: ratios(summary[task]["ours"], summary[task][side], RATIO_KEYS)
             for side in sides[task]
             if side != "ours"
         }
