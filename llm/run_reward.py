@@ -9,6 +9,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from llm.alignment.rm.arguments import REWARD_ARGUMENT_TYPES
 from llm.alignment.rm.build import build_reward_trainer
 from llm.utils.arguments import parse_arguments, validate_arguments
 from llm.utils.entry import output_dir_guard, train_and_evaluate
@@ -19,7 +20,7 @@ from llm.utils.paddle_names import PADDLE_REWARD_NAMES
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    model_args, data_args, training_args = parse_arguments(argv, paddle=PADDLE_REWARD_NAMES)
+    model_args, data_args, training_args = parse_arguments(argv, REWARD_ARGUMENT_TYPES, paddle=PADDLE_REWARD_NAMES)
     validate_arguments(model_args, data_args, training_args)
     setup_logging(training_args)
     with output_dir_guard(data_args, training_args):

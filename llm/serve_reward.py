@@ -14,8 +14,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from llm.alignment.rm.arguments import REWARD_ARGUMENT_TYPES
 from llm.alignment.rm.serve import ServeArgument, build_scorer, make_server
-from llm.utils.arguments import ARGUMENT_TYPES, parse_arguments
+from llm.utils.arguments import parse_arguments
 from llm.utils.errors import run_cli
 from llm.utils.logging import setup_logging
 from llm.utils.paddle_names import PADDLE_REWARD_NAMES
@@ -30,7 +31,7 @@ def _interrupt(signum, frame) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     model_args, _data_args, training_args, serve_args = parse_arguments(
-        argv, (*ARGUMENT_TYPES, ServeArgument), paddle=PADDLE_REWARD_NAMES
+        argv, (*REWARD_ARGUMENT_TYPES, ServeArgument), paddle=PADDLE_REWARD_NAMES
     )
     setup_logging(training_args)
     scorer = build_scorer(model_args, training_args, serve_args)

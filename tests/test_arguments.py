@@ -1,15 +1,20 @@
 """JSON + command-line arguments: strict keys, Paddle names mapped, fields that cannot act refused."""
 
+import functools
 import glob
 import json
 import os
 
 import pytest
 
+from llm.alignment.rm.arguments import REWARD_ARGUMENT_TYPES, RewardModelArgument, RewardTrainingArguments
 from llm.utils.arguments import DataArgument, ModelArgument, TrainingArguments, parse_arguments, validate_arguments
 from llm.utils.distributed import parse_layout
 from llm.utils.errors import UserError
 from tests.helpers import ROOT
+
+# Most configs here are reward configs: run_reward.py's parser (the shared fields plus the reward-only ones).
+parse_reward = functools.partial(parse_arguments, types=REWARD_ARGUMENT_TYPES)
 
 
 def write(tmp_path, **fields):
@@ -21,7 +26,7 @@ def write(tmp_path, **fields):
 
 
 def parse(tmp_path, cli=(), **fields):
-    return parse_arguments([write(tmp_path, **fields), *cli])
+    return parse_reward([write(tmp_path, **fields), *cli])
 
 
 def test_every_config_in_tree_parses_strictly():
@@ -29,7 +34,7 @@ def test_every_config_in_tree_parses_strictly():
     reward_files = [f for f in files if os.path.basename(f) in ("rm_argument.json", "prm_argument.json")]
     assert len(reward_files) >= 8, reward_files
     for path in reward_files:
-        model_args, _data_args, training_args = parse_arguments([path])
+        model_args, _data_args, training_args = parse_reward([path])
         assert model_args.model_name_or_path, path
         assert training_args.output_dir, path
 
@@ -82,7 +87,7 @@ def test_bad_json_is_one_clear_error(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text('{"learning_rate": 1e-5,}')
     with pytest.raises(UserError, match=r"bad.json: not valid JSON .* line 1"):
-        parse_arguments([str(path)])
+        parse_reward([str(path)])
 
 
 @pytest.mark.parametrize(
@@ -153,7 +158,7 @@ def test_benchmark_mode_turns_off_eval_and_saving(tmp_path):
 
 
 def test_reference_fields_are_declared():
-    declared = {f for t in (ModelArgument, DataArgument, TrainingArguments) for f in t.__dataclass_fields__}
+    declared = {f for t in (RewardModelArgument, DataArgument, RewardTrainingArguments) for f in t.__dataclass_fields__}
     reference = [
         "output_dir",
         "per_device_train_batch_size",
@@ -340,7 +345,7 @@ def test_reward_only_paddle_names(tmp_path):
         normalizer_type="ExponentialMovingAverage",
         normalizer_momentum=0.9,
     )
-    _, d, t = parse_arguments([path], paddle=PADDLE_REWARD_NAMES)
+    _, d, t = parse_reward([path], paddle=PADDLE_REWARD_NAMES)
     assert d.train_dataset_path.endswith("llm/data/sample/pairs_train.jsonl")
     assert d.dev_dataset_path.endswith("llm/data/sample/pairs_dev.jsonl")
     assert t.score_regularization == 0.001
@@ -349,7 +354,7 @@ def test_reward_only_paddle_names(tmp_path):
         ({"normalize_score_during_training": True}, "score normalisation .* not available"),
     ):
         with pytest.raises(UserError, match=message):
-            parse_arguments([write(tmp_path, **bad)], paddle=PADDLE_REWARD_NAMES)
+            parse_reward([write(tmp_path, **bad)], paddle=PADDLE_REWARD_NAMES)
     # The SFT / DPO parsers do not know the reward scripts' names.
     with pytest.raises(UserError, match="unknown key 'regularization'"):
         parse(tmp_path, regularization=0.001)
@@ -360,17 +365,17 @@ def test_reward_only_paddle_names(tmp_path):
 
 def test_relative_paths_resolve_from_llm_dir(tmp_path, monkeypatch):
     monkeypatch.chdir(os.path.join(ROOT, "llm"))
-    model_args, data_args, _ = parse_arguments(["config/tiny/prm_argument.json", "--output_dir", str(tmp_path / "out")])
+    model_args, data_args, _ = parse_reward(["config/tiny/prm_argument.json", "--output_dir", str(tmp_path / "out")])
     assert model_args.model_name_or_path == os.path.join(ROOT, "llm/assets/tiny-prm")
     assert os.path.isfile(data_args.train_dataset_path)
     # the repository-root form of the config path works from llm/ too
-    parse_arguments(["llm/config/tiny/prm_argument.json"])
+    parse_reward(["llm/config/tiny/prm_argument.json"])
 
 
 def test_missing_config_names_the_places_tried(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError, match=r"nope.json: no such file \(looked in: .*nope.json, .*nope.json\)"):
-        parse_arguments(["nope.json"])
+        parse_reward(["nope.json"])
 
 
 def test_metric_for_best_model_is_checked_against_the_trainer(tmp_path):
@@ -388,3 +393,17 @@ def test_metric_for_best_model_is_checked_against_the_trainer(tmp_path):
     trainer.process_reward = True
     with pytest.raises(UserError, match="step_accuracy"):
         trainer.check_metric_for_best_model()
+
+
+def test_reward_only_fields_are_refused_by_the_shared_parser(tmp_path):
+    """SFT / DPO (the shared dataclasses) do not declare the reward model's fields: a config that sets them
+    stops naming the key, instead of parsing silently."""
+    for key, value in (("process_reward", True), ("margin", 5.0), ("placeholder_token", "ки"), ("prm_threshold", 0.4)):
+        with pytest.raises(UserError, match=f"unknown key '{key}'"):
+            parse_arguments([write(tmp_path, **{key: value})])
+    assert not {"process_reward", "margin", "reward_tokens"} & {
+        *ModelArgument.__dataclass_fields__,
+        *TrainingArguments.__dataclass_fields__,
+    }
+    m, _, t = parse_reward([write(tmp_path, process_reward=True, margin=0.5, reward_tokens="a,b")])
+    assert (t.process_reward, t.margin, m.reward_tokens) == (True, 0.5, "a,b")

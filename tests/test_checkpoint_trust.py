@@ -77,8 +77,12 @@ def full_run(tmp_path_factory):
 
 
 def test_fingerprint_ignores_where_and_how_often_and_names_what_differs(tmp_path):
-    from llm.utils.arguments import parse_arguments
+    import functools
 
+    from llm.alignment.rm.arguments import REWARD_ARGUMENT_TYPES
+    from llm.utils.arguments import parse_arguments as parse
+
+    parse_arguments = functools.partial(parse, types=REWARD_ARGUMENT_TYPES)  # a reward config
     base = os.path.join(ROOT, "llm", "config", "tiny", "prm_argument.json")
     a = run_fingerprint(*parse_arguments([base]))
     same = run_fingerprint(

@@ -37,6 +37,7 @@ from llm.alignment.ppo.build import Place, build_actor, build_critic
 from llm.alignment.ppo.config import parse_ppo_config
 from llm.alignment.ppo.offload import OffloadedTrainableRole
 from llm.alignment.ppo.roles import PolicyBatch, TrainableRole, ValueBatch
+from llm.alignment.rm.arguments import RewardModelArgument, RewardTrainingArguments
 from llm.alignment.rm.build import build_reward_model
 from llm.alignment.rm.trainer import RewardTrainer
 from llm.alignment.sft.trainer import SFTTrainer
@@ -44,7 +45,7 @@ from llm.data.packing import collate, pack
 from llm.data.readers import iter_records
 from llm.data.tokenize import EncodeConfig, OverlongCounter, encode_pair_for_scores, encode_prm
 from llm.data.tokenize_lm import encode_pair_for_lm, encode_sft
-from llm.utils.arguments import ModelArgument, TrainingArguments
+from llm.utils.arguments import ModelArgument
 from llm.utils.errors import UserError
 from llm.utils.precision import MasterWeightAdamW
 from tests.helpers import ROOT, tiny_model, tokenizer
@@ -60,7 +61,7 @@ LOSS_TOL = 2 * 3.5 * U * 1.0  # 2 x sqrt(12) u x L with L = 1: see the module do
 PRECISIONS = {"fp32": {}, "O1": {"bf16": True, "fp16_opt_level": "O1"}, "O2": {"bf16": True, "fp16_opt_level": "O2"}}
 
 
-def training_args(tmp_path, precision: str, **kw) -> TrainingArguments:
+def training_args(tmp_path, precision: str, **kw) -> RewardTrainingArguments:
     base = {
         "output_dir": str(tmp_path / precision),
         "report_to": "none",
@@ -77,7 +78,7 @@ def training_args(tmp_path, precision: str, **kw) -> TrainingArguments:
         **PRECISIONS.get(precision, {}),
     }
     base.update(kw)
-    return TrainingArguments(**base)
+    return RewardTrainingArguments(**base)  # the shared TrainingArguments plus the reward fields
 
 
 def records(path, kind, n):
@@ -135,7 +136,9 @@ def reward_rows(process_reward: bool):
 def test_reward_model_bf16_o1_o2_close_to_fp32(tmp_path, process_reward):
     tok = tokenizer()
     rows = reward_rows(process_reward)
-    model_args = ModelArgument(model_name_or_path=TINY_PRM if process_reward else TINY_LLAMA, init_from_config=True)
+    model_args = RewardModelArgument(
+        model_name_or_path=TINY_PRM if process_reward else TINY_LLAMA, init_from_config=True
+    )
     runs = {}
     for precision in PRECISIONS:
         args = training_args(tmp_path, precision, process_reward=process_reward)
@@ -321,7 +324,7 @@ def test_o2_resume_keeps_the_fp32_masters(tmp_path):
     which it would not if the masters or moments had come back rounded to bf16."""
     tok = tokenizer()
     rows = reward_rows(process_reward=True)
-    model_args = ModelArgument(model_name_or_path=TINY_PRM, init_from_config=True)
+    model_args = RewardModelArgument(model_name_or_path=TINY_PRM, init_from_config=True)
 
     def run(out, resume=None):
         args = training_args(tmp_path, "O2", output_dir=str(out), process_reward=True, max_steps=4)

@@ -11,9 +11,10 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from llm.alignment.ppo.roles import HttpReward
+from llm.alignment.rm.arguments import REWARD_ARGUMENT_TYPES
 from llm.alignment.rm.serve import ServeArgument, build_scorer, make_server
 from llm.run_ppo import main as ppo_main
-from llm.utils.arguments import ARGUMENT_TYPES, parse_arguments
+from llm.utils.arguments import parse_arguments
 from tests.helpers import ROOT, tiny_model, tokenizer
 from tests.test_ppo_run import config as ppo_config
 from tests.test_ppo_run import history
@@ -50,7 +51,7 @@ def running(tmp_path):
         flags = [x for k, v in serve.items() for x in (f"--{k}", str(v))]
         model_args, _, training_args, serve_args = parse_arguments(
             [reward_config(tmp_path, model_dir, process_reward), "--port", "0", *flags],
-            (*ARGUMENT_TYPES, ServeArgument),
+            (*REWARD_ARGUMENT_TYPES, ServeArgument),
         )
         server = make_server(build_scorer(model_args, training_args, serve_args), serve_args)
         threading.Thread(target=server.serve_forever, daemon=True).start()

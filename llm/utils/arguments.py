@@ -52,17 +52,6 @@ class ModelArgument:
     virtual_pp_degree: int = field(
         default=1, metadata={"help": "Virtual pipeline stages (pipeline parallel).", "min": 1}
     )
-    placeholder_token: str = field(default="ки", metadata={"help": "PRM step placeholder token (one token)."})
-    reward_tokens: str = field(
-        default="+,-", metadata={"help": "PRM label tokens 'positive,negative'; each must be one token."}
-    )
-    add_placeholder_token: bool = field(
-        default=False,
-        metadata={
-            "help": "PRM: when placeholder_token is not one token of the tokenizer, add it as a new special token "
-            "and resize the model's embeddings (a new, untrained row); false: such a placeholder stops the run."
-        },
-    )
 
 
 @dataclass
@@ -163,37 +152,6 @@ class TrainingArguments(transformers.TrainingArguments):
             "always written; the final output_dir always holds the model)."
         },
     )
-    process_reward: bool = field(default=False, metadata={"help": "true: process reward model (PRM); false: ORM."})
-    margin: float = field(default=0.0, metadata={"help": "ORM: loss -log sigmoid(s_c - s_r - margin)."})
-    center_rewards_coefficient: float = field(
-        default=0.0, metadata={"help": "ORM: coefficient of mean((s_c + s_r)^2) (reward centering).", "min": 0}
-    )
-    score_regularization: float = field(
-        default=0.0,
-        metadata={
-            "help": "ORM: coefficient of mean(s_c^2 + s_r^2), an L2 penalty on the scores (PaddleNLP's "
-            "regularization).",
-            "min": 0,
-        },
-    )
-    prm_threshold: float = field(
-        default=0.5,
-        metadata={
-            "help": "PRM evaluation (ProcessBench): a step scored below it is the predicted first error.",
-            "min": 0,
-        },
-    )
-    prm_threshold_subset: str | None = field(
-        default=None,
-        metadata={
-            "help": "PRM evaluation: also find the threshold that maximises ProcessBench F1 on this subset "
-            "(ProcessBench tunes it on gsm8k) and report every metric at it."
-        },
-    )
-    bon_aggregations: str = field(
-        default="min,product,last,mean",
-        metadata={"help": "PRM evaluation, best-of-N: how step scores make a solution's score (comma-separated)."},
-    )
     overwrite_output_dir: bool = field(
         default=False,
         metadata={
@@ -217,8 +175,6 @@ class TrainingArguments(transformers.TrainingArguments):
             if not 0 <= self.warmup_ratio < 1:
                 raise UserError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
             self.warmup_steps = self.warmup_ratio
-        if self.prm_threshold > 1:
-            raise UserError(f"prm_threshold is a probability in [0, 1], got {self.prm_threshold}")
         if self.fp16_opt_level not in ("O1", "O2"):
             raise UserError(f"fp16_opt_level must be 'O1' or 'O2', got {self.fp16_opt_level!r}")
         if self.recompute:

@@ -83,6 +83,9 @@ _EXCLUDED_OWN_TRAINING = {
     "recompute",
     "unified_checkpoint",
     "config_notes",
+    "prm_threshold",  # evaluation only
+    "prm_threshold_subset",
+    "bon_aggregations",
 }
 
 # PPO: "section.field" (or "section.*") that do not change what is trained.

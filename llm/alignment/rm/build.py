@@ -8,6 +8,7 @@ import logging
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedTokenizerBase
 
 from llm.alignment.lm import weights_dtype
+from llm.alignment.rm.arguments import RewardModelArgument, RewardTrainingArguments
 from llm.alignment.rm.evaluation import AGGREGATIONS
 from llm.alignment.rm.trainer import RewardTrainer
 from llm.data.packing import collate
@@ -20,7 +21,7 @@ from llm.data.tokenize import (
     placeholder_token_id,
     single_token_id,
 )
-from llm.utils.arguments import DataArgument, ModelArgument, TrainingArguments, recompute_mode
+from llm.utils.arguments import DataArgument, recompute_mode
 from llm.utils.attention import kernel_for
 from llm.utils.errors import UserError
 from llm.utils.modeling import count_parameters, load_model, load_tokenizer
@@ -29,7 +30,7 @@ from llm.utils.preemption import SaveOnSignal
 logger = logging.getLogger(__name__)
 
 
-def reward_tokens(model_args: ModelArgument) -> tuple[str, str]:
+def reward_tokens(model_args: RewardModelArgument) -> tuple[str, str]:
     tokens = tuple(t.strip() for t in model_args.reward_tokens.split(","))
     if len(tokens) != 2 or not all(tokens) or tokens[0] == tokens[1]:
         raise UserError(
@@ -41,7 +42,7 @@ def reward_tokens(model_args: ModelArgument) -> tuple[str, str]:
 def build_reward_data(
     path: str,
     tokenizer: PreTrainedTokenizerBase,
-    model_args: ModelArgument,
+    model_args: RewardModelArgument,
     data_args: DataArgument,
     process_reward: bool,
     batch_size: int,
@@ -81,7 +82,7 @@ def build_reward_data(
     )
 
 
-def fit_embeddings(model, tokenizer: PreTrainedTokenizerBase, training_args: TrainingArguments) -> None:
+def fit_embeddings(model, tokenizer: PreTrainedTokenizerBase, training_args: RewardTrainingArguments) -> None:
     """After ``add_placeholder_token``: give the new token id an embedding row (resize when the model has none)."""
     rows = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) <= rows:  # e.g. Qwen2: 151,936 rows for 151,646 tokens
@@ -97,7 +98,9 @@ def fit_embeddings(model, tokenizer: PreTrainedTokenizerBase, training_args: Tra
     logger.info("model embeddings resized from %d to %d rows for the added placeholder token", rows, len(tokenizer))
 
 
-def build_reward_model(model_args: ModelArgument, training_args: TrainingArguments, tokenizer: PreTrainedTokenizerBase):
+def build_reward_model(
+    model_args: RewardModelArgument, training_args: RewardTrainingArguments, tokenizer: PreTrainedTokenizerBase
+):
     dtype = weights_dtype(training_args)
     if training_args.process_reward:
         model = load_model(
@@ -139,7 +142,7 @@ def build_reward_model(model_args: ModelArgument, training_args: TrainingArgumen
     return model, None
 
 
-def check_evaluation_settings(training_args: TrainingArguments) -> None:
+def check_evaluation_settings(training_args: RewardTrainingArguments) -> None:
     unknown = [a for a in training_args.bon_aggregations.split(",") if a.strip() not in AGGREGATIONS]
     if unknown or not training_args.bon_aggregations.strip():
         raise UserError(
@@ -147,7 +150,9 @@ def check_evaluation_settings(training_args: TrainingArguments) -> None:
         )
 
 
-def build_reward_trainer(model_args: ModelArgument, data_args: DataArgument, training_args: TrainingArguments):
+def build_reward_trainer(
+    model_args: RewardModelArgument, data_args: DataArgument, training_args: RewardTrainingArguments
+):
     check_evaluation_settings(training_args)
     tokenizer = load_tokenizer(model_args.tokenizer_name_or_path or model_args.model_name_or_path)
     added = training_args.process_reward and model_args.add_placeholder_token
