@@ -114,9 +114,11 @@ def load_causal_lm(
     tokenizer: PreTrainedTokenizerBase,
     init_from_config: bool,
     recompute: str | None = None,
+    quantization_config=None,
 ) -> PreTrainedModel:
     """A causal LM with the packed attention kernel; stops if the tokenizer has ids the model cannot embed.
-    ``recompute``: attention-level activation checkpointing (``llm.utils.modeling.enable_recompute``)."""
+    ``recompute``: attention-level activation checkpointing (``llm.utils.modeling.enable_recompute``);
+    ``quantization_config``: QLoRA's 4-bit base (``llm.utils.lora.quantization_config``)."""
     model = load_model(
         AutoModelForCausalLM,
         path,
@@ -126,6 +128,7 @@ def load_causal_lm(
         pad_token_id=tokenizer.pad_token_id,
         layout=training_args.layout,
         recompute=recompute,
+        quantization_config=quantization_config,
     )
     vocab = model.get_output_embeddings().weight.shape[0]
     if len(tokenizer) > vocab:

@@ -249,6 +249,11 @@ class AlignmentTrainer(Trainer):
         if _internal_call and not self.args.unified_checkpoint:
             return
         super().save_model(output_dir, _internal_call)
+        # LoRA (llm.utils.lora): output_dir holds the PEFT adapter; lora_merge adds the merged model to output_dir/merged
+        if not _internal_call and getattr(self, "lora_merge", False) and self.args.should_save:
+            from llm.utils.lora import save_merged
+
+            save_merged(self.model, output_dir or self.args.output_dir, self.processing_class)
 
     def _raw_optimizer(self) -> torch.optim.Optimizer:
         opt = self.optimizer

@@ -52,6 +52,56 @@ class ModelArgument:
     virtual_pp_degree: int = field(
         default=1, metadata={"help": "Virtual pipeline stages (pipeline parallel).", "min": 1}
     )
+    # LoRA / QLoRA with peft (PaddleNLP's names; checked and applied in llm/utils/lora.py)
+    lora: bool = field(
+        default=False,
+        metadata={"help": "Train LoRA adapters (peft) on a frozen base model instead of every weight."},
+    )
+    lora_rank: int = field(default=8, metadata={"help": "LoRA rank r (> 0)."})
+    lora_alpha: float = field(
+        default=-1,
+        metadata={"help": "LoRA alpha (> 0); -1 (PaddleNLP's default): 2 * lora_rank, or 4 with rslora."},
+    )
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input, in [0, 1)."})
+    target_modules: str | list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Module names that get adapters (a list, or comma-separated), matched as peft does (the end of a "
+            "module's name); default the attention and MLP projections q_proj,k_proj,v_proj,o_proj,gate_proj,"
+            "up_proj,down_proj."
+        },
+    )
+    rslora: bool = field(
+        default=False, metadata={"help": "Rank-stabilised LoRA: scale alpha / sqrt(r), not alpha / r."}
+    )
+    lora_path: str | None = field(
+        default=None,
+        metadata={"help": "Continue training the PEFT adapter saved in this directory (its own rank and targets)."},
+    )
+    lora_train_head: bool = field(
+        default=False,
+        metadata={
+            "help": "With lora: also train the LM head, saved in the adapter. PRM: only the reward-token rows it "
+            "reads; SFT/DPO: the whole head. (An ORM's new score head is always trained.)"
+        },
+    )
+    lora_merge: bool = field(
+        default=False,
+        metadata={
+            "help": "With lora: also write the base model with the adapter merged in, a plain Hugging Face "
+            "checkpoint, to output_dir/merged (output_dir itself holds the adapter)."
+        },
+    )
+    weight_quantize_algo: str | None = field(
+        default=None,
+        metadata={
+            "help": "QLoRA (PaddleNLP's name): nf4 | fp4 loads the frozen base in 4 bits with bitsandbytes; "
+            "needs lora and a CUDA device."
+        },
+    )
+    weight_double_quant: bool = field(
+        default=False, metadata={"help": "QLoRA: also quantize the 4-bit quantization constants (double quant)."}
+    )
 
 
 @dataclass

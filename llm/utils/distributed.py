@@ -255,6 +255,15 @@ def tensor_parallel_on_cpu(layout: Layout):
 
 # Sharded (DTensor) entries stay sharded: each rank writes and reads only its own pieces.
 _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
+# A peft (LoRA) model: only the trainable parameters (adapters, trained heads); the frozen base is read again from
+# model_name_or_path. Loading is not strict about the frozen ones (the keys are compared below either way).
+_ADAPTER_OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False, ignore_frozen_params=True, strict=False)
+
+
+def _options(model: torch.nn.Module) -> StateDictOptions:
+    return _ADAPTER_OPTIONS if getattr(model, "peft_config", None) is not None else _OPTIONS
+
+
 SHARDED_INDEX = "state.json"  # the non-tensor parts (param_groups, ...) and where each tensor goes
 
 
@@ -267,9 +276,10 @@ def save_sharded_state(directory: str, model: torch.nn.Module, optimizer: torch.
 
     from llm.utils.checkpoints import encode_tree, write_json_atomic
 
-    state = {"model": get_model_state_dict(model, options=_OPTIONS)}
+    options = _options(model)
+    state = {"model": get_model_state_dict(model, options=options)}
     if optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=_OPTIONS)
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=options)
     tensors: dict[str, torch.Tensor] = {}
     tree = encode_tree(state, tensors)
     os.makedirs(directory, exist_ok=True)
@@ -298,10 +308,11 @@ def load_sharded_state(directory: str, model: torch.nn.Module, optimizer: torch.
         raise UserError(
             f"{directory}: holds no {part} state (saved with save_only_model?): resume from another checkpoint"
         )
+    options = _options(model)
     if optimizer is None:
-        target = get_model_state_dict(model, options=_OPTIONS)
+        target = get_model_state_dict(model, options=options)
     else:
-        target = get_optimizer_state_dict(model, optimizer, options=_OPTIONS)
+        target = get_optimizer_state_dict(model, optimizer, options=options)
     tensors: dict[str, torch.Tensor] = {}
     encode_tree({part: target}, tensors)
     wanted = set(_tensor_keys(saved, part))
@@ -321,9 +332,9 @@ def load_sharded_state(directory: str, model: torch.nn.Module, optimizer: torch.
         raise UserError(f"{directory}: cannot read the sharded state ({type(err).__name__}: {first})") from None
     state = decode_tree(saved, tensors, index_path)
     if optimizer is None:
-        set_model_state_dict(model, state, options=_OPTIONS)
+        set_model_state_dict(model, state, options=options)
     else:
-        set_optimizer_state_dict(model, optimizer, state, options=_OPTIONS)
+        set_optimizer_state_dict(model, optimizer, state, options=options)
 
 
 def _tensor_keys(tree, path: str):

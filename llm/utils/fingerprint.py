@@ -42,6 +42,7 @@ _EXCLUDED = {
     "virtual_pp_degree",
     "benchmark",
     "autotuner_benchmark",
+    "lora_merge",  # what is saved at the end, not what is trained
 }
 
 # transformers.TrainingArguments fields that change what is trained (an allow-list: its many other fields

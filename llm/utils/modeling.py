@@ -98,6 +98,7 @@ def load_model(
     pad_token_id: int | None = None,
     layout: Layout | None = None,
     recompute: str | None = None,
+    quantization_config=None,
     **config_overrides,
 ) -> PreTrainedModel:
     """Load ``auto_class`` (AutoModelForCausalLM, AutoModelForSequenceClassification...) from ``path``.
@@ -108,9 +109,18 @@ def load_model(
     and under every layout.
     ``layout`` (FSDP2 sharding / tensor parallel) places the model across the processes: every rank
     reads only its own shard of a checkpoint. ``recompute`` (``full_attn`` | ``core_attn``): see ``enable_recompute``.
+    ``quantization_config`` (QLoRA's ``BitsAndBytesConfig``, ``llm.utils.lora``) goes to ``from_pretrained``.
     """
     parallel = distributed_config(layout) if layout is not None else None
     check_model_dir(path, "model_name_or_path")
+    if not any(os.path.exists(os.path.join(path, f)) for f in WEIGHT_FILES) and os.path.exists(
+        os.path.join(path, "adapter_config.json")
+    ):
+        raise UserError(
+            f"model_name_or_path {path} holds a PEFT (LoRA) adapter, not a model: give its base model with "
+            f"lora true and lora_path {path}, or the merged model ({os.path.join(path, 'merged')}, written with "
+            "lora_merge)"
+        )
     try:
         config = AutoConfig.from_pretrained(path, **config_overrides)
     except (OSError, ValueError) as err:
@@ -132,6 +142,8 @@ def load_model(
                 "for a random tiny model set init_from_config true"
             )
         extra = {"distributed_config": parallel} if parallel is not None else {}
+        if quantization_config is not None:
+            extra["quantization_config"] = quantization_config
         try:
             model = auto_class.from_pretrained(
                 path, config=config, attn_implementation=attn_implementation, dtype=dtype, **extra

@@ -18,6 +18,7 @@ from llm.data.tokenize_lm import encode_pair_for_lm
 from llm.utils.arguments import DataArgument, recompute_mode
 from llm.utils.attention import kernel_for
 from llm.utils.errors import UserError
+from llm.utils.lora import apply_lora, check_lora_arguments, quantization_config
 from llm.utils.modeling import count_parameters, load_tokenizer
 from llm.utils.preemption import SaveOnSignal
 
@@ -44,11 +45,14 @@ def build_pair_data(
 
 
 def build_reference(model_args: DPOModelArgument, training_args: DPOTrainingArguments, tokenizer, policy):
-    """The frozen reference: ``ref_model_name_or_path``, else a copy of the initial policy; None if unused."""
+    """The frozen reference: ``ref_model_name_or_path``, else a copy of the initial policy; None if unused, or
+    with a LoRA policy (its base with the adapter disabled is the reference, ``llm.utils.lora.reference_model``)."""
     if not training_args.uses_reference:
         return None
     if model_args.ref_model_name_or_path:
         return load_causal_lm(model_args.ref_model_name_or_path, training_args, tokenizer, init_from_config=False)
+    if model_args.lora:
+        return None
     if not training_args.do_train:
         raise UserError(
             f"evaluation-only run with loss_type={training_args.loss_type!r}: set ref_model_name_or_path to the "
@@ -64,11 +68,19 @@ def build_dpo_trainer(
 ) -> tuple[DPOTrainer, PackedData | None, PackedData | None]:
     if training_args.precompute_ref_log_probs and data_args.lazy:
         raise UserError("precompute_ref_log_probs needs the data in memory: set lazy false (or precompute false)")
+    check_lora_arguments(model_args, training_args)
     tokenizer = load_tokenizer(model_args.tokenizer_name_or_path or model_args.model_name_or_path)
     recompute = recompute_mode(model_args, training_args)
     model = load_causal_lm(
-        model_args.model_name_or_path, training_args, tokenizer, model_args.init_from_config, recompute
+        model_args.model_name_or_path,
+        training_args,
+        tokenizer,
+        model_args.init_from_config,
+        recompute,
+        quantization_config(model_args, training_args),
     )
+    if model_args.lora:
+        model = apply_lora(model, model_args, "causal_lm")
     ref_model = build_reference(model_args, training_args, tokenizer, model)
     data = functools.partial(
         build_pair_data,
@@ -106,6 +118,7 @@ def build_dpo_trainer(
         ref_model=ref_model,
         callbacks=[SaveOnSignal()],
     )
+    trainer.lora_merge = model_args.lora_merge  # AlignmentTrainer.save_model writes output_dir/merged too
     if training_args.precompute_ref_log_probs:
         trainer.precompute_reference_log_probs()
         logger.info("reference log-probs precomputed for every pair; no reference model is kept")

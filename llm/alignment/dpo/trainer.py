@@ -6,11 +6,13 @@ puts a readout at every answer token; the first rejected token is read at the la
 
 The reference log-probs of a pair come, in order of preference, from the batch (precomputed once
 with ``with_reference_log_probs``), from the frozen ``ref_model`` on the fly, or are absent
-(reference-free losses).
+(reference-free losses). A LoRA policy (a peft model) without a ``ref_model`` is its own reference with the
+adapter disabled (``llm.utils.lora.reference_model``): the base model, with no second copy in memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -22,6 +24,7 @@ from llm.alignment.trainer import AlignmentTrainer, ItemOutputs, _gather_objects
 from llm.data.packing import PackedBatch, PackedRow, collate
 from llm.data.tokenize_lm import CHOSEN, PROMPT, REJECTED
 from llm.utils.distributed import with_spares
+from llm.utils.lora import is_peft_model, reference_model
 
 
 @dataclass
@@ -75,6 +78,14 @@ class DPOTrainer(AlignmentTrainer):
         if ref_model is not None:
             ref_model.requires_grad_(False)
             self.ref_model = ref_model.eval().to(self.args.device)
+        # a LoRA policy without an explicit reference: the base model (adapter disabled) is the reference
+        self.adapter_reference = ref_model is None and is_peft_model(self.model)
+
+    def _reference_context(self, model):
+        """``model`` as the reference: the policy's base with its adapter disabled, or ``model`` itself."""
+        if model is self.model and self.adapter_reference:
+            return reference_model(model)
+        return contextlib.nullcontext(model)
 
     # one item = one pair
     def count_items(self, batch: PackedBatch) -> int:
@@ -98,10 +109,13 @@ class DPOTrainer(AlignmentTrainer):
             return None
         if batch.ref_chosen is not None:
             return batch.ref_chosen, batch.ref_rejected
-        if self.ref_model is None:
-            raise ValueError("DPOTrainer: no reference model and no precomputed reference log-probs in the batch")
-        with torch.no_grad():
-            ref, _ = self.pair_log_probs(self.ref_model, self.ref_model.get_output_embeddings(), batch)
+        model = self.ref_model
+        if model is None:
+            if not self.adapter_reference:
+                raise ValueError("DPOTrainer: no reference model and no precomputed reference log-probs in the batch")
+            model = self.model
+        with torch.no_grad(), self._reference_context(model) as ref_model:
+            ref, _ = self.pair_log_probs(ref_model, ref_model.get_output_embeddings(), batch)
         return ref.chosen, ref.rejected
 
     def forward_items(self, model, batch: PairBatch) -> ItemOutputs:
@@ -175,7 +189,8 @@ class DPOTrainer(AlignmentTrainer):
 
     def with_reference_log_probs(self, rows: list[PackedRow], batch_size: int) -> list[ReferencedRow]:
         """``rows`` with every pair's reference log-probs, from ``ref_model`` or (without one) the current,
-        i.e. initial, policy. Ranks share the work and exchange the results."""
+        i.e. initial, policy (a LoRA policy: its base, adapter disabled). Ranks share the work and exchange the
+        results."""
         model = self.ref_model if self.ref_model is not None else self.model
         was_training = model.training
         model.eval()
@@ -187,7 +202,7 @@ class DPOTrainer(AlignmentTrainer):
         mine = starts[dp_rank::dp]
         rounds = math.ceil(len(starts) / dp) if self.layout.native else len(mine)
         done = []
-        with torch.no_grad(), self.compute_loss_context_manager():
+        with torch.no_grad(), self.compute_loss_context_manager(), self._reference_context(model) as model:
             for start, spare in with_spares(mine, rounds, 0):
                 chunk = rows[start : start + batch_size]
                 batch = self.data_collator(chunk).to(self.args.device)

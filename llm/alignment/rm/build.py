@@ -24,6 +24,7 @@ from llm.data.tokenize import (
 from llm.utils.arguments import DataArgument, recompute_mode
 from llm.utils.attention import kernel_for
 from llm.utils.errors import UserError
+from llm.utils.lora import apply_lora, check_lora_arguments, quantization_config
 from llm.utils.modeling import count_parameters, load_model, load_tokenizer
 from llm.utils.preemption import SaveOnSignal
 
@@ -112,6 +113,7 @@ def build_reward_model(
             pad_token_id=tokenizer.pad_token_id,
             layout=training_args.layout,
             recompute=recompute_mode(model_args, training_args),
+            quantization_config=quantization_config(model_args, training_args),
         )
         tokens = reward_tokens(model_args)
         ids = (
@@ -134,6 +136,7 @@ def build_reward_model(
         num_labels=1,
         layout=training_args.layout,
         recompute=recompute_mode(model_args, training_args),
+        quantization_config=quantization_config(model_args, training_args),
     )
     if not hasattr(model, "score"):
         raise UserError(
@@ -154,12 +157,22 @@ def build_reward_trainer(
     model_args: RewardModelArgument, data_args: DataArgument, training_args: RewardTrainingArguments
 ):
     check_evaluation_settings(training_args)
+    check_lora_arguments(model_args, training_args)
     tokenizer = load_tokenizer(model_args.tokenizer_name_or_path or model_args.model_name_or_path)
     added = training_args.process_reward and model_args.add_placeholder_token
     added = added and add_placeholder_token(tokenizer, model_args.placeholder_token)
+    if added and model_args.lora:
+        raise UserError(
+            f"add_placeholder_token with lora: the new token {model_args.placeholder_token!r} would get an untrained, "
+            "frozen embedding row. Add it and train once without lora, or pick a placeholder_token the tokenizer has"
+        )
     model, token_ids = build_reward_model(model_args, training_args, tokenizer)
     if added:
         fit_embeddings(model, tokenizer, training_args)
+    if model_args.lora:
+        # ORM: the new score head is trained (modules_to_save); PRM with lora_train_head: the reward-token head rows
+        task = "causal_lm" if training_args.process_reward else "seq_cls"
+        model = apply_lora(model, model_args, task, list(token_ids) if training_args.process_reward else None)
     data = functools.partial(
         build_reward_data,
         tokenizer=tokenizer,
@@ -197,4 +210,5 @@ def build_reward_trainer(
         callbacks=[SaveOnSignal()],
     )
     trainer.eval_records = dev.records if dev else []  # ProcessBench / best-of-N fields of each dev record
+    trainer.lora_merge = model_args.lora_merge  # AlignmentTrainer.save_model writes output_dir/merged too
     return trainer, train, dev

@@ -43,7 +43,7 @@ def mismatch(layer: torch.nn.Module) -> str | None:
     parts = {name for name, _ in attn.named_children()}
     if parts != ATTENTION_PARTS:
         return f"its attention has {sorted(parts)}, not exactly {sorted(ATTENTION_PARTS)} (q/k norms?)"
-    if not all(isinstance(getattr(attn, name), torch.nn.Linear) for name in ATTENTION_PARTS):
+    if not all(isinstance(_base_layer(getattr(attn, name)), torch.nn.Linear) for name in ATTENTION_PARTS):
         return "its q/k/v/o projections are not linear layers"
     for name in ("head_dim", "scaling", "attention_dropout"):
         if not hasattr(attn, name):
@@ -56,9 +56,16 @@ def mismatch(layer: torch.nn.Module) -> str | None:
     return None
 
 
+def _base_layer(module: torch.nn.Module) -> torch.nn.Module:
+    """The linear layer under a peft LoRA layer (which computes base + adapter when called), else ``module``."""
+    return module.get_base_layer() if hasattr(module, "get_base_layer") else module
+
+
 def install(model: torch.nn.Module) -> bool:
-    """Make the last decoder layer of ``model`` (unwrapped) honour ``readout_index``; False (logged with the
-    reason) when the layer is not of the shape ``readout_layer`` computes."""
+    """Make the last decoder layer of ``model`` (unwrapped; a peft model's base) honour ``readout_index``; False
+    (logged with the reason) when the layer is not of the shape ``readout_layer`` computes."""
+    if hasattr(model, "get_base_model"):  # peft (LoRA): its adapters stay in the projections readout_layer calls
+        model = model.get_base_model()
     layers = getattr(getattr(model, "base_model", model), "layers", None)
     if not layers:
         logger.warning("last_layer_at_readouts: %s has no decoder layers list; the full last layer runs", type(model))

@@ -32,6 +32,7 @@ from llm.alignment.rm.loss import pairwise_loss, step_loss, step_scores
 from llm.alignment.trainer import AlignmentTrainer, ItemOutputs
 from llm.data.packing import PackedBatch
 from llm.utils.errors import UserError
+from llm.utils.lora import head_bias
 
 BEST_OF_N_PLOT = "eval_best_of_n.png"  # next to eval_results.json
 
@@ -73,7 +74,8 @@ class RewardTrainer(AlignmentTrainer):
         hidden = readout_hidden(call, batch, causal_lm=self.process_reward)
         if self.process_reward:
             head = self.model.get_output_embeddings()
-            weight, bias = full_weight(head.weight), full_weight(head.bias)
+            # under lora_train_head peft wraps the head: its weight has the trained reward rows merged in
+            weight, bias = full_weight(head.weight), full_weight(head_bias(head))
             bias = bias[self.reward_token_ids] if bias is not None else None
             # accelerate returns the forward's outputs in fp32; O2's head weight is bf16
             logits = F.linear(hidden.to(weight.dtype), weight[self.reward_token_ids], bias).float()

@@ -15,6 +15,7 @@ from llm.data.tokenize import EncodeConfig
 from llm.data.tokenize_lm import encode_sft
 from llm.utils.arguments import DataArgument, ModelArgument, TrainingArguments, recompute_mode
 from llm.utils.attention import kernel_for
+from llm.utils.lora import apply_lora, check_lora_arguments, quantization_config
 from llm.utils.modeling import count_parameters, load_tokenizer
 from llm.utils.preemption import SaveOnSignal
 
@@ -43,11 +44,19 @@ def build_sft_data(
 def build_sft_trainer(
     model_args: ModelArgument, data_args: DataArgument, training_args: TrainingArguments
 ) -> tuple[SFTTrainer, PackedData | None, PackedData | None]:
+    check_lora_arguments(model_args, training_args)
     tokenizer = load_tokenizer(model_args.tokenizer_name_or_path or model_args.model_name_or_path)
     recompute = recompute_mode(model_args, training_args)
     model = load_causal_lm(
-        model_args.model_name_or_path, training_args, tokenizer, model_args.init_from_config, recompute
+        model_args.model_name_or_path,
+        training_args,
+        tokenizer,
+        model_args.init_from_config,
+        recompute,
+        quantization_config(model_args, training_args),
     )
+    if model_args.lora:
+        model = apply_lora(model, model_args, "causal_lm")
     data = functools.partial(build_sft_data, tokenizer=tokenizer, data_args=data_args, seed=training_args.seed)
     train, dev = train_and_dev(data_args, training_args, data)
     logger.info(
@@ -69,4 +78,5 @@ def build_sft_trainer(
         processing_class=tokenizer,
         callbacks=[SaveOnSignal()],
     )
+    trainer.lora_merge = model_args.lora_merge  # AlignmentTrainer.save_model writes output_dir/merged too
     return trainer, train, dev
