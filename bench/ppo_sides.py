@@ -134,8 +134,8 @@ def parity_ours_config(batch: int, steps: int, lr: float, **actor_rollout):
 
 def our_trainer(config, prompts: list[list[int]], tok, models, labels: list[str] | None = None):
     """Our ``PPOTrainer`` in this process over ``models`` (policy, ref, critic, reward) and token-id prompts."""
-    from llm.alignment.ppo.build import trainer_for_models
-    from llm.alignment.ppo.trainer import Prompt
+    from llm.alignment.ppo.build import build_from_models as trainer_for_models
+    from llm.alignment.ppo.prompts import Prompt
 
     labels = labels or [""] * len(prompts)
     return trainer_for_models(config, [Prompt(p, s, None) for p, s in zip(prompts, labels)], tok, *models)

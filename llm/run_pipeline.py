@@ -18,9 +18,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from llm import run_finetune, run_ppo, run_reward
-from llm.alignment.ppo.roles import ORMReward, PolicyModel
+from llm.alignment.ppo.prompts import make_samples, prompts_from_records
+from llm.alignment.ppo.rewards import ORMReward
+from llm.alignment.ppo.roles import PolicyModel
 from llm.alignment.ppo.rules import math_exact_match
-from llm.alignment.ppo.trainer import make_samples, prompts_from_records
 from llm.data.readers import read_records
 from llm.utils.attention import PACKED_SDPA
 from llm.utils.errors import run_cli

@@ -18,7 +18,8 @@ from transformers import AutoModelForSequenceClassification
 
 from llm.alignment.ppo.build import Place, build_reward
 from llm.alignment.ppo.config import parse_ppo_config
-from llm.alignment.ppo.roles import HttpReward, ORMReward, RoleFailure, RuleReward, Samples
+from llm.alignment.ppo.records import RoleFailure, Samples
+from llm.alignment.ppo.rewards import HttpReward, ORMReward, RuleReward
 from llm.data.tokenize import OverlongCounter, encode_all
 from llm.run_dpo import main as dpo_main
 from llm.run_finetune import main as sft_main

@@ -292,7 +292,7 @@ def test_planted_payloads_never_run_in_a_flat_resume(full_run, tmp_path, capsys,
 
 def test_each_loader_refuses_a_planted_file_with_a_message(full_run, tmp_path):
     """Each loader on its own file type, payload in place: a UserError naming the file, never the payload."""
-    from llm.alignment.ppo.roles import load_optimizer_state
+    from llm.alignment.ppo.checkpoint import load_optimizer_state
     from llm.utils.checkpoints import read_safetensors
     from llm.utils.distributed import load_sharded_state
     from tests.helpers import tiny_model

@@ -12,21 +12,14 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from llm.alignment.ppo.build import Place, build_actor, build_critic, build_ref, build_reward
+from llm.alignment.ppo.checkpoint import OPTIMIZER_FILE
 from llm.alignment.ppo.config import parse_ppo_config
 from llm.alignment.ppo.offload import HOST, HostAdamW, OffloadedTrainableRole, offload_when_idle
-from llm.alignment.ppo.roles import (
-    OPTIMIZER_FILE,
-    ActorRole,
-    CriticRole,
-    ORMReward,
-    PolicyBatch,
-    PolicyModel,
-    PolicyUpdate,
-    Samples,
-    TrainableRole,
-    ValueBatch,
-    ValueUpdate,
-)
+from llm.alignment.ppo.optim import TrainableRole
+from llm.alignment.ppo.records import PolicyBatch, Samples, ValueBatch
+from llm.alignment.ppo.rewards import ORMReward
+from llm.alignment.ppo.roles import ActorRole, CriticRole, PolicyModel
+from llm.alignment.ppo.update import PolicyUpdate, ValueUpdate
 from llm.utils.errors import UserError
 from tests.helpers import tiny_model, tokenizer
 from tests.test_ppo_run import ORM_REWARD, config

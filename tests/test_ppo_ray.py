@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
 from llm.alignment.ppo.config import parse_ppo_config
-from llm.alignment.ppo.roles import RoleFailure
+from llm.alignment.ppo.records import RoleFailure
 from llm.run_ppo import main
 from llm.utils.errors import UserError, run_cli
 from tests.helpers import ROOT, tokenizer

@@ -4,8 +4,8 @@ forward's (the default path), and a run with it equals a run without."""
 import pytest
 import torch
 
+from llm.alignment.ppo.prompts import Prompt, make_samples
 from llm.alignment.ppo.roles import PolicyModel
-from llm.alignment.ppo.trainer import Prompt, make_samples
 from llm.run_ppo import main
 from tests.helpers import tiny_model, tokenizer
 from tests.test_ppo_run import config, history
@@ -81,7 +81,7 @@ def test_fsdp2_generation_gathers_each_module_once(monkeypatch):
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
     from torch.distributed.fsdp import fully_shard
 
-    from llm.alignment.ppo.roles import gathered_for_decoding
+    from llm.alignment.ppo.fsdp import gathered_for_decoding
 
     gathers = []  # unshards that gather (not the no-op ones of an already unsharded module)
     real = param_group.FSDPParamGroup.unshard

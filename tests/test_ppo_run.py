@@ -11,7 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from llm.alignment.ppo.config import parse_ppo_config
-from llm.alignment.ppo.roles import HttpReward, PRMReward, RuleReward, Samples, char_to_token_end, split_steps
+from llm.alignment.ppo.records import Samples
+from llm.alignment.ppo.rewards import HttpReward, PRMReward, RuleReward, char_to_token_end, split_steps
 from llm.alignment.ppo.rules import last_number, math_exact_match
 from llm.run_ppo import main
 from llm.utils.errors import UserError, run_cli
@@ -284,7 +285,7 @@ def test_every_ppo_config_in_tree_parses():
 def test_forwards_pack_samples_into_rows_without_padding():
     """Role forwards pack examples into one row each, of at most micro_batch_size x the longest example:
     no padding between examples, never more positions than micro_batch_size padded examples."""
-    from llm.alignment.ppo.roles import _micro_batches
+    from llm.alignment.ppo.engine import micro_batches as _micro_batches
     from llm.data.packing import causal_example
 
     lengths = [40, 9, 12, 31, 5, 40, 7, 22]

@@ -23,7 +23,7 @@ from llm.alignment.ppo.algorithm import (
 )
 from llm.alignment.ppo.build import Place, build_actor
 from llm.alignment.ppo.config import parse_ppo_config
-from llm.alignment.ppo.roles import PolicyBatch
+from llm.alignment.ppo.records import PolicyBatch
 from llm.utils.errors import UserError
 from tests.test_ppo_memory import fixed_samples
 from tests.test_ppo_run import config as ppo_config

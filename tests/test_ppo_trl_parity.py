@@ -27,7 +27,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from llm.alignment.ppo.build import trainer_for_models
+from llm.alignment.ppo.build import build_from_models as trainer_for_models
 from llm.alignment.ppo.config import (
     ActorRolloutSection,
     AlgorithmSection,
@@ -40,7 +40,7 @@ from llm.alignment.ppo.config import (
     RewardSection,
     TrainingSection,
 )
-from llm.alignment.ppo.trainer import Prompt
+from llm.alignment.ppo.prompts import Prompt
 from llm.utils.attention import PACKED_SDPA
 from llm.utils.modeling import tiny_config
 from tests.helpers import tokenizer

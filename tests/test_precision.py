@@ -36,7 +36,8 @@ from llm.alignment.lm import load_causal_lm, weights_dtype
 from llm.alignment.ppo.build import Place, build_actor, build_critic
 from llm.alignment.ppo.config import parse_ppo_config
 from llm.alignment.ppo.offload import OffloadedTrainableRole
-from llm.alignment.ppo.roles import PolicyBatch, TrainableRole, ValueBatch
+from llm.alignment.ppo.optim import TrainableRole
+from llm.alignment.ppo.records import PolicyBatch, ValueBatch
 from llm.alignment.rm.arguments import RewardModelArgument, RewardTrainingArguments
 from llm.alignment.rm.build import build_reward_model
 from llm.alignment.rm.trainer import RewardTrainer

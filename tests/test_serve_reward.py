@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from llm.alignment.ppo.roles import HttpReward
+from llm.alignment.ppo.rewards import HttpReward
 from llm.alignment.rm.arguments import REWARD_ARGUMENT_TYPES
 from llm.alignment.rm.serve import ServeArgument, build_scorer, make_server
 from llm.run_ppo import main as ppo_main
@@ -105,7 +105,7 @@ def test_served_orm_scores_the_texts_as_the_in_process_orm_does_for_another_toke
     exactly what PPO's in-process ORM does when the actor's tokenizer differs from the reward model's. (With
     the same tokenizer the in-process ORM reads the actor's own ids, which equal these where the response
     text round-trips through the tokenizer; random ids need not.)"""
-    from llm.alignment.ppo.roles import ORMReward
+    from llm.alignment.ppo.rewards import ORMReward
     from tests.test_ppo_run import samples
 
     server, model_dir = running(False)

@@ -28,8 +28,10 @@ from tokenizers import (
 )
 from transformers import PreTrainedTokenizerFast
 
-from llm.data.make_sample_data import PLACEHOLDER, SAMPLE_DIR
-
+# The corpus and the PRM placeholder, as ``llm.data.make_sample_data`` writes them (not imported: utils does
+# not depend on the data generator; tests/test_ppo_structure.py checks that both agree).
+SAMPLE_DIR = Path(__file__).resolve().parents[1] / "data" / "sample"
+PLACEHOLDER = "ки"
 TINY_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "assets" / "tiny_tokenizer"
 VOCAB_SIZE = 647  # learned tokens; with the placeholder len(tokenizer) <= 648 (the tiny configs)
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"

@@ -30,6 +30,7 @@ from typing import Any
 
 import yaml
 
+from llm.alignment.ppo.sections import SECTIONS
 from llm.utils import fields
 from llm.utils.errors import UserError, closest
 from llm.utils.paths import resolve_input_path, search_dirs, tried
@@ -123,8 +124,6 @@ class Translation:
     """One MindSpeed file into this project's layout (``out``), with lines for the log (``notes``)."""
 
     def __init__(self, path: str, notes: list[str]) -> None:
-        from llm.alignment.ppo.config import SECTIONS
-
         self.path, self.notes, self.sections = path, notes, SECTIONS
         self.out: dict[str, dict] = {name: {} for name in SECTIONS}
         self.origin: dict[tuple[str, str], str] = {}

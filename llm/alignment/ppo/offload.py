@@ -16,18 +16,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from llm.alignment.ppo.roles import (
-    OPTIMIZER_STATE,
-    TrainableRole,
-    load_optimizer_state,
-    read_safetensors,
-    save_tree,
-)
+from llm.alignment.ppo.optim import TrainableRole, warmup_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +89,8 @@ class HostAdamW(torch.optim.AdamW):
 
 
 class OffloadedTrainableRole(TrainableRole):
-    """``TrainableRole`` with its optimizer state on the host (``HostAdamW``)."""
+    """``TrainableRole`` with its optimizer state on the host (``HostAdamW``); checkpoints as the plain role's
+    (checkpoint.py), so either loads the other's."""
 
     def __init__(self, model, lr, weight_decay, betas, eps, max_grad_norm, warmup_steps, host=HOST) -> None:
         super().__init__(model, lr, weight_decay, betas, eps, max_grad_norm, warmup_steps)
@@ -104,29 +98,21 @@ class OffloadedTrainableRole(TrainableRole):
         self.optimizer = HostAdamW(
             model.parameters(), host=host, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda n: min(1.0, (n + 1) / warmup_steps) if warmup_steps else 1.0
-        )
+        self.scheduler = warmup_schedule(self.optimizer, warmup_steps)
 
     def _names(self) -> dict[int, str]:
         return {id(p): n for n, p in self.model.named_parameters()}
 
-    def save(self, directory: str, tokenizer, with_optimizer: bool) -> None:
-        self.model.save_pretrained(directory)
-        tokenizer.save_pretrained(directory)
-        if with_optimizer:
-            state = {"optimizer": self.optimizer.state_by_name(self._names()), "scheduler": self.scheduler.state_dict()}
-            save_tree(directory, OPTIMIZER_STATE, state)
+    def optimizer_state(self) -> dict:
+        return self.optimizer.state_by_name(self._names())
 
-    def load(self, directory: str) -> None:
-        weights = read_safetensors(os.path.join(directory, "model.safetensors"))
-        self.model.load_state_dict(weights, strict=False)
-        with torch.no_grad():  # the masters follow the loaded weights
+    def load_optimizer_state(self, state: dict) -> None:
+        """After the weights were loaded (strictly, ``checkpoint.load_weights``): the masters follow them,
+        then the saved state (with its fp32 masters, when it has them) replaces them."""
+        with torch.no_grad():
             for p, m in zip(self.optimizer.params, self.optimizer.masters):
                 m.copy_(_local(p))
-        state = load_optimizer_state(directory)
-        self.optimizer.load_state_by_name(state["optimizer"], self._names())
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.optimizer.load_state_by_name(state, self._names())
 
 
 def offload_when_idle(role, model: torch.nn.Module, device: torch.device | str, methods: tuple[str, ...]):

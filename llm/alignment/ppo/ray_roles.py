@@ -1,5 +1,6 @@
-"""PPO roles in Ray actors: the role classes of roles.py, each built inside Ray actor processes and
-reached through a proxy with the same methods (``resource_pool.use_ray``).
+"""PPO roles in Ray actors: placement only. The roles (whatever ``build(config, name, place)`` makes: the
+caller, build.py, hands over ``build_role``) are each built inside Ray actor processes and reached
+through a proxy with the same methods (``resource_pool.use_ray``); nothing here knows the algorithm.
 
     driver: PPOTrainer --RemoteRole("actor_rollout")--ray.get(timeout)--> [rank 0][rank 1]  ActorRole, FSDP2 over 2
                        --RemoteRole("ref")------------------------------> [ ]               PolicyModel
@@ -16,13 +17,13 @@ NCCL on GPU) and shard the role's models with FSDP2 (stage 3). The group is data
   contiguous slice of the samples (prompts), the first ``B % N`` ranks one more, and concatenates the
   results in order (token tensors zero-padded to the longest response), equal to one process. Each
   forward all-gathers parameters, so ranks with fewer micro-batches run spare forwards (output
-  dropped) up to the most any rank has (``roles._micro_batches``, one all-reduce of the count);
+  dropped) up to the most any rank has (``engine.micro_batches``, one all-reduce of the count);
   ``generate`` steps the ranks together with HF's ``synced_gpus`` and rank r samples from
   ``seed * N + r``, so sampled responses depend on N (greedy ones do not).
 - ``update``: every rank gets the whole batch and mini-batch orders and runs its contiguous share of
   each mini-batch, plus zero-weighted spare micro-batches up to the largest share's count; the loss
   stays normalised by the whole mini-batch's tokens and the gradients are summed over the ranks
-  (divide factor 1, ``build._sum_gradients``), so each optimizer step is one process's on the whole
+  (divide factor 1, ``fsdp.sum_gradients``), so each optimizer step is one process's on the whole
   mini-batch. The stats (losses, clipfrac, KL, entropy) are summed over the ranks (one all-reduce).
 - weights, checkpoints: every rank takes part in the gathers; the first rank's result is the answer.
 
@@ -48,14 +49,14 @@ import math
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from llm.alignment.ppo.config import PPOConfig, ResourcePool
-from llm.alignment.ppo.roles import RoleFailure
+from llm.alignment.ppo.records import RoleFailure
+from llm.alignment.ppo.sections import PPOConfig, ResourcePool
 from llm.utils import preemption
 from llm.utils.distributed import share
 from llm.utils.errors import UserError
@@ -77,10 +78,11 @@ def import_ray():
 
 
 class RoleWorker:
-    """The body of one Ray actor: builds its roles in its own process and runs their methods."""
+    """The body of one Ray actor: builds its roles in its own process (``build``: pickled by reference, so the
+    worker imports its module) and runs their methods."""
 
-    def __init__(self, config: PPOConfig) -> None:
-        self.config = config
+    def __init__(self, config: PPOConfig, build: Callable) -> None:
+        self.config, self.build_role = config, build
         self.roles: dict = {}
 
     def rendezvous(self) -> tuple[str, int]:
@@ -99,7 +101,7 @@ class RoleWorker:
         import torch
         import torch.distributed as dist
 
-        from llm.alignment.ppo.build import Place, build_role
+        from llm.alignment.ppo.loading import Place
         from llm.utils.distributed import Layout, backend
         from llm.utils.logging import configure_logging
 
@@ -115,7 +117,7 @@ class RoleWorker:
             dist.init_process_group(backend(), init_method=init, rank=rank, world_size=world)
             layout = Layout(world, shard=world, stage=3)
         for name in names:
-            self.roles[name] = build_role(self.config, name, Place(device, layout))
+            self.roles[name] = self.build_role(self.config, name, Place(device, layout))
         return os.getpid(), socket.gethostname()
 
     def call(self, role: str, method: str, *args, **kwargs):
@@ -319,8 +321,9 @@ def _sigterm_blocked_in_ray_processes() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def ray_roles(c: PPOConfig, names: list[str]) -> Iterator[dict[str, RemoteRole]]:
-    """Start (or join) Ray, place the workers, build the roles in them; yield the proxies by role name."""
+def ray_roles(c: PPOConfig, names: list[str], build: Callable) -> Iterator[dict[str, RemoteRole]]:
+    """Start (or join) Ray, place the workers, build the roles in them with ``build(c, name, place)`` (a
+    module-level function); yield the proxies by role name."""
     ray = import_ray()
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -359,7 +362,7 @@ def ray_roles(c: PPOConfig, names: list[str]) -> Iterator[dict[str, RemoteRole]]
             for b in g.bundles:
                 strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=len(workers))
                 options = {"num_cpus": b["CPU"], "num_gpus": b.get("GPU", 0), "scheduling_strategy": strategy}
-                workers.append(remote_class.options(runtime_env={"env_vars": env}, **options).remote(c))
+                workers.append(remote_class.options(runtime_env={"env_vars": env}, **options).remote(c, build))
                 ranks.append(workers[-1])
             master = None
             if len(ranks) > 1:

@@ -6,8 +6,8 @@
     update (actor and critic mini-batch epochs) -> step statistics
 
 Not a copy of ``Trainer.train``: each phase is a method that only talks to the role interfaces
-(roles.py) with records and tensors in and statistics out; a role object is the role itself or its
-Ray proxy (ray_roles.py), and nothing here depends on which.
+(records.py's protocols) with records and tensors in and statistics out; a role object is the role
+itself (roles.py, rewards/) or its Ray proxy (ray_roles.py), and nothing here depends on which.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,34 +33,23 @@ from llm.alignment.ppo.algorithm import (
     shape_scores,
     token_rewards,
 )
-from llm.alignment.ppo.config import PPOConfig
-from llm.alignment.ppo.roles import (
-    ActorRole,
-    CriticRole,
+from llm.alignment.ppo.prompts import Prompt, make_samples
+from llm.alignment.ppo.records import (
+    Actor,
+    Critic,
+    Policy,
     PolicyBatch,
-    PolicyModel,
-    RewardFunction,
+    Reward,
     RoleFailure,
     Samples,
     UpdateStats,
     ValueBatch,
 )
-from llm.data.readers import PromptRecord
-from llm.data.tokenize import render_prompt
+from llm.alignment.ppo.sections import PPOConfig
 from llm.utils import preemption
 from llm.utils.errors import UserError
 
-if TYPE_CHECKING:
-    from llm.alignment.ppo.ray_roles import RemoteRole
-
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Prompt:
-    ids: list[int]
-    text: str
-    reference: str | None
 
 
 @dataclass
@@ -85,22 +73,6 @@ class Experience:
     returns: torch.Tensor | None  # (B, T), GAE only
 
 
-def make_samples(prompts: list[Prompt], responses: list[list[int]], tok) -> Samples:
-    """Samples from given responses (``len(responses) // len(prompts)`` consecutive per prompt)."""
-    k = len(responses) // len(prompts)
-    expanded = [p for p in prompts for _ in range(k)]
-    ended = torch.tensor([bool(r) and r[-1] == tok.eos_token_id for r in responses])
-    responses = [r if r else [tok.eos_token_id] for r in responses]  # an empty response still gets a token
-    return Samples(
-        prompt_ids=[p.ids for p in expanded],
-        response_ids=responses,
-        prompts=[p.text for p in expanded],
-        responses=[tok.decode(r, skip_special_tokens=True) for r in responses],
-        references=[p.reference for p in expanded],
-        ended=ended,
-    )
-
-
 class PPOTrainer:
     """The PPO loop over the roles. ``tokenizer`` is the actor's (prompts and responses are its ids);
     ``rollout_copy`` is a separate generation copy of the actor (Ray, own devices), synced after each
@@ -111,11 +83,11 @@ class PPOTrainer:
         config: PPOConfig,
         prompts: list[Prompt],
         tokenizer,
-        actor: ActorRole | RemoteRole,
-        reward: RewardFunction | RemoteRole,
-        ref: PolicyModel | RemoteRole | None = None,
-        critic: CriticRole | RemoteRole | None = None,
-        rollout_copy: PolicyModel | RemoteRole | None = None,
+        actor: Actor,
+        reward: Reward,
+        ref: Policy | None = None,
+        critic: Critic | None = None,
+        rollout_copy: Policy | None = None,
     ) -> None:
         self.c, self.prompts, self.tokenizer = config, prompts, tokenizer
         self.actor, self.ref, self.critic, self.reward = actor, ref, critic, reward
@@ -488,24 +460,3 @@ class PPOTrainer:
         self.log_history = log_history
         self.last_checkpoint = directory
         logger.info("resumed from %s at step %d", directory, self.step)
-
-
-def prompts_from_records(
-    records: list[PromptRecord], tokenizer, max_prompt_length: int, use_chat_template: bool
-) -> list[Prompt]:
-    """Tokenise prompts; a prompt over ``max_prompt_length`` stops the run naming it (never cut silently)."""
-    out, too_long = [], []
-    for rec in records:
-        ids = render_prompt(rec.prompt, tokenizer, use_chat_template)
-        if len(ids) > max_prompt_length:
-            too_long.append((rec, len(ids)))
-            continue
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        out.append(Prompt(ids, text, rec.reference))
-    if too_long:
-        rec, n = too_long[0]
-        raise UserError(
-            f"{rec.source}: record {rec.index}: the prompt has {n} tokens, more than actor_rollout.max_prompt_length="
-            f"{max_prompt_length} ({len(too_long)} prompt(s) too long in all): raise max_prompt_length or shorten them"
-        )
-    return out

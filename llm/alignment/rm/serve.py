@@ -90,7 +90,7 @@ class RewardScorer:
         self.lock = threading.Lock()
 
     def samples(self, prompts, responses, references, ended):
-        from llm.alignment.ppo.roles import Samples
+        from llm.alignment.ppo.records import Samples
 
         tok = self.tokenizer
         eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
@@ -188,7 +188,7 @@ def make_server(scorer: RewardScorer, args: ServeArgument) -> ThreadingHTTPServe
 
 def build_scorer(model_args, training_args, serve_args: ServeArgument) -> RewardScorer:
     """The reward model of a reward config (``run_reward.py``'s fields) as PPO's ORM / PRM reward."""
-    from llm.alignment.ppo.roles import ORMReward, PRMReward
+    from llm.alignment.ppo.rewards import ORMReward, PRMReward
     from llm.alignment.rm.build import build_reward_model, reward_tokens
     from llm.data.tokenize import single_token_id
     from llm.utils.modeling import load_tokenizer

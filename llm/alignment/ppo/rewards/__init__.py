@@ -1,0 +1,53 @@
+"""PPO's rewards, one module per kind, each type registered by name (base.py's ``REWARDS``), which the
+config check and the builder both read:
+
+- ``rule`` (rule.py): a Python function ``module:function(prompt, response, reference)``;
+- ``http`` (http.py): a scoring server;
+- ``orm`` / ``prm`` (model.py): a trained outcome / process reward model.
+
+Adding a type: a ``RewardFunction`` subclass with ``from_config`` and ``score``, decorated with
+``@register_reward("name", needs=..., has_model=...)``, in a module imported here.
+"""
+
+from llm.alignment.ppo.rewards.base import (
+    REWARDS,
+    RewardFunction,
+    RewardType,
+    check_score,
+    model_types,
+    register_reward,
+    reward_type,
+)
+from llm.alignment.ppo.rewards.http import HttpReward, check_reward_url
+from llm.alignment.ppo.rewards.model import (
+    PRM_AGGREGATIONS,
+    ORMReward,
+    PRMReward,
+    char_to_token_end,
+    decoded_lengths,
+    retokenise,
+    same_vocabulary,
+    split_steps,
+)
+from llm.alignment.ppo.rewards.rule import RuleReward
+
+__all__ = [
+    "PRM_AGGREGATIONS",
+    "REWARDS",
+    "HttpReward",
+    "ORMReward",
+    "PRMReward",
+    "RewardFunction",
+    "RewardType",
+    "RuleReward",
+    "char_to_token_end",
+    "check_reward_url",
+    "check_score",
+    "decoded_lengths",
+    "model_types",
+    "register_reward",
+    "retokenise",
+    "reward_type",
+    "same_vocabulary",
+    "split_steps",
+]

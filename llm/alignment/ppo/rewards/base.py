@@ -1,0 +1,92 @@
+"""What every reward is, and the registry of reward types that both the config check (``reward.type``,
+config.py) and the builder (build.py) read.
+
+A reward type is one class with ``score(samples) -> RewardOutput`` and a ``from_config(config, place)``
+constructor, registered with ``@register_reward(name, ...)``: the config then accepts ``reward.type:
+name``, requires the ``needs`` fields of ``reward``, refuses ``reward.dtype`` / ``reward.offload`` unless
+``has_model``, and the builder calls ``from_config``. The module that registers it must be imported
+before the config is parsed: the built-in types register when ``llm.alignment.ppo.rewards`` is imported.
+A Ray worker builds its reward in its own process, so it knows only the types that the modules it imports
+register: put a type meant for Ray runs in a module this package imports (as the built-ins are).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from llm.alignment.ppo.records import RewardOutput, Samples
+from llm.utils.errors import UserError, closest
+
+if TYPE_CHECKING:
+    from llm.alignment.ppo.loading import Place
+    from llm.alignment.ppo.sections import PPOConfig
+
+
+class RewardFunction:
+    """A reward: ``score(samples) -> RewardOutput`` (``(B,)`` outcome scores, optional ``(B, T)`` dense)."""
+
+    samples_seen = 0  # model rewards: samples this process ran forwards over (as PolicyModel.samples_seen)
+
+    @classmethod
+    def from_config(cls, c: PPOConfig, place: Place) -> RewardFunction:
+        """The reward ``c.reward`` asks for, its models (if any) on ``place``."""
+        raise NotImplementedError
+
+    def score(self, samples: Samples) -> RewardOutput:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class RewardType:
+    name: str
+    cls: type[RewardFunction]
+    needs: tuple[str, ...] = ()  # reward.<field>s that must be set for this type
+    has_model: bool = False  # a reward model: reward.dtype / reward.offload apply
+    value_head: bool = False  # its model has a scalar head at every token: the critic may start from it
+
+    def build(self, c: PPOConfig, place: Place) -> RewardFunction:
+        return self.cls.from_config(c, place)
+
+
+REWARDS: dict[str, RewardType] = {}
+
+
+def register_reward(
+    name: str, *, needs: tuple[str, ...] = (), has_model: bool = False, value_head: bool = False
+) -> Callable[[type[RewardFunction]], type[RewardFunction]]:
+    """Class decorator: ``reward.type: name`` builds this class (``from_config``); see the module docstring."""
+
+    def register(cls: type[RewardFunction]) -> type[RewardFunction]:
+        if name in REWARDS and REWARDS[name].cls is not cls:
+            raise ValueError(f"reward type {name!r} is registered already ({REWARDS[name].cls.__qualname__})")
+        REWARDS[name] = RewardType(name, cls, tuple(needs), has_model, value_head)
+        return cls
+
+    return register
+
+
+def reward_type(name: str, where: str = "") -> RewardType:
+    """The registered type ``name``; an unknown one stops the run with the valid names."""
+    if name not in REWARDS:
+        valid = sorted(REWARDS)
+        raise UserError(
+            f"{where}reward.type must be one of {', '.join(valid)}, got {name!r} (closest: {closest(str(name), valid)})"
+        )
+    return REWARDS[name]
+
+
+def model_types() -> list[str]:
+    """The registered types that hold a reward model."""
+    return sorted(n for n, t in REWARDS.items() if t.has_model)
+
+
+def check_score(value, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise UserError(
+            f"{where} returned {value!r}; a reward must be a finite number (a bad sample is never "
+            "silently turned into a zero reward)"
+        )
+    return float(value)

@@ -1,0 +1,232 @@
+"""``reward.type: orm`` / ``prm``: a trained reward model read with the packed forward engine (engine.py).
+
+- ``ORMReward``: the score head at the last response token, one outcome score per sample.
+- ``PRMReward``: the response split into steps, the placeholder after each, ``P(+)`` per step read from
+  the LM head's two reward tokens; ``prm_aggregation`` (``PRM_AGGREGATIONS``) turns them into a dense
+  reward at each step's last response token, or one outcome score.
+
+A reward model of another vocabulary than the actor's reads re-tokenised text (``retokenise``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedTokenizerBase
+
+from llm.alignment.lm import full_weight
+from llm.alignment.ppo.engine import forward_readouts
+from llm.alignment.ppo.fsdp import head_linear
+from llm.alignment.ppo.loading import actor_tokenizer, load_frozen, offload_idle
+from llm.alignment.ppo.records import RewardOutput, Samples
+from llm.alignment.ppo.rewards.base import RewardFunction, register_reward
+from llm.alignment.rm.loss import step_scores
+from llm.data.packing import causal_example
+from llm.data.tokenize import prm_response_ids, single_token_id
+from llm.utils.errors import UserError
+from llm.utils.modeling import load_tokenizer
+
+if TYPE_CHECKING:
+    from llm.alignment.ppo.loading import Place
+    from llm.alignment.ppo.sections import PPOConfig
+
+# prm_aggregation -> the outcome score of a sample's step scores; "dense": none, a reward per step
+PRM_AGGREGATIONS: dict[str, Callable[[list[float]], float] | None] = {
+    "dense": None,
+    "min": min,
+    "last": lambda xs: xs[-1],
+    "mean": lambda xs: sum(xs) / len(xs),
+}
+
+
+def same_vocabulary(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> bool:
+    """Whether token ids of ``a`` mean the same in ``b`` (then a model of ``b`` can read ``a``'s ids)."""
+    return a is b or a.get_vocab() == b.get_vocab()
+
+
+def retokenise(samples: Samples, actor_tok: PreTrainedTokenizerBase, tok: PreTrainedTokenizerBase):
+    """Token ids for a reward model: the actor's own when vocabularies agree, else re-tokenised text."""
+    if same_vocabulary(actor_tok, tok):
+        return samples.prompt_ids, samples.response_ids
+    prompts = [tok(p)["input_ids"] for p in samples.prompts]
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    responses = [
+        tok(r, add_special_tokens=False)["input_ids"] + eos * bool(samples.ended[i])
+        for i, r in enumerate(samples.responses)
+    ]
+    return prompts, responses
+
+
+def reward_tokenizer(c: PPOConfig):
+    r = c.reward
+    return load_tokenizer(r.tokenizer_name_or_path or r.model_name_or_path)
+
+
+@register_reward("orm", needs=("model_name_or_path",), has_model=True, value_head=True)
+class ORMReward(RewardFunction):
+    """Outcome reward model: score head at the last response token."""
+
+    def __init__(self, model, tokenizer, actor_tokenizer, micro_batch_size: int) -> None:
+        self.model, self.tokenizer, self.actor_tokenizer = model, tokenizer, actor_tokenizer
+        self.micro_batch_size = micro_batch_size
+
+    @classmethod
+    def from_config(cls, c: PPOConfig, place: Place) -> ORMReward:
+        r, tok = c.reward, reward_tokenizer(c)
+        model = load_frozen(
+            c, AutoModelForSequenceClassification, r.model_name_or_path, r.init_from_config, tok, place, r.dtype,
+            num_labels=1,
+        )  # fmt: skip
+        return offload_idle(
+            c, cls(model, tok, actor_tokenizer(c), c.micro("reward")), model, "reward", place, ("score",)
+        )
+
+    @torch.no_grad()
+    def score(self, samples: Samples) -> RewardOutput:
+        prompts, responses = retokenise(samples, self.actor_tokenizer, self.tokenizer)
+        examples = [
+            causal_example(p + r, [len(p) + len(r) - 1], [0], record=i)
+            for i, (p, r) in enumerate(zip(prompts, responses))
+        ]
+        scores = torch.zeros(len(samples))
+        self.samples_seen += len(samples)
+        head = lambda hidden: head_linear(self.model.score, hidden).squeeze(-1).float().cpu()
+        pad = self.tokenizer.pad_token_id
+        for batch, values in forward_readouts(self.model, examples, self.micro_batch_size, pad, False, head):
+            scores[batch.records[batch.readout_example].cpu()] = values
+        return RewardOutput(scores)
+
+
+def split_steps(text: str, separator: str) -> list[tuple[int, int]]:
+    """Character spans ``[start, end)`` of the non-empty steps of ``text``."""
+    spans, start = [], 0
+    for piece in text.split(separator):
+        end = start + len(piece)
+        if piece.strip():
+            spans.append((start, end))
+        start = end + len(separator)
+    return spans
+
+
+def decoded_lengths(tokenizer, ids: list[int]) -> list[int]:
+    """``len(tokenizer.decode(ids[: k + 1], skip_special_tokens=True))`` for every ``k``, in one pass.
+
+    Incremental decoding with a cumulative length: each token's text is the growth of a short window's
+    decode, the window starting at the token before the last complete point (so a leading-space rule or a
+    byte-level merge sees its context); a window whose text ends in an incomplete character (U+FFFD, a
+    byte-level token holding part of one) is not a complete point, and the next window starts before it.
+    Each decode is over a few tokens: O(T) in all, instead of decoding every prefix (O(T^2))."""
+    decode = lambda part: tokenizer.decode(part, skip_special_tokens=True)
+    lengths = []
+    # done: len(decode(ids[:start])); the window is ids[anchor:], base: len(decode(ids[anchor:start]))
+    done, start, anchor, base = 0, 0, 0, 0
+    for k in range(len(ids)):
+        text = decode(ids[anchor : k + 1])
+        lengths.append(done + len(text) - base)
+        if not text.endswith("\ufffd"):  # a complete point: the next window starts at the last one
+            done, start, last = lengths[-1], k + 1, start
+            # ... unless that leaves the window nothing to show (skipped special tokens): a leading-space
+            # rule (sentencepiece's) would then drop the next token's space
+            base = len(decode(ids[last:start]))
+            if base:
+                anchor = last
+            else:
+                base = len(decode(ids[anchor:start]))
+    return lengths
+
+
+def char_to_token_end(tokenizer, response_ids: list[int], char_end: int, lengths: list[int] | None = None) -> int:
+    """Index of the response token that completes the first ``char_end`` characters of its text: the first
+    whose decoded prefix is that long (``lengths``: ``decoded_lengths`` of the response, computed once)."""
+    lengths = decoded_lengths(tokenizer, response_ids) if lengths is None else lengths
+    for k, n in enumerate(lengths):
+        if n >= char_end:
+            return k
+    return len(response_ids) - 1
+
+
+@register_reward("prm", needs=("model_name_or_path",), has_model=True)
+class PRMReward(RewardFunction):
+    """Process reward model: split the response into steps, insert the placeholder after each, read
+    ``P(+)`` per step. ``dense``: each step score is a reward at the step's last response token;
+    ``min`` / ``last`` / ``mean``: one outcome score."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        actor_tokenizer,
+        separator: str,
+        placeholder: str,
+        reward_token_ids: tuple[int, int],
+        placeholder_id: int,
+        aggregation: str,
+        micro_batch_size: int,
+    ) -> None:
+        self.model, self.tokenizer, self.actor_tokenizer = model, tokenizer, actor_tokenizer
+        self.separator, self.placeholder, self.placeholder_id = separator, placeholder, placeholder_id
+        self.reward_token_ids, self.aggregation = list(reward_token_ids), aggregation
+        self.micro_batch_size = micro_batch_size
+
+    @classmethod
+    def from_config(cls, c: PPOConfig, place: Place) -> PRMReward:
+        r, tok = c.reward, reward_tokenizer(c)
+        tokens = [t.strip() for t in r.reward_tokens.split(",")]
+        if len(tokens) != 2:
+            raise UserError(f"reward.reward_tokens must be 'positive,negative', got {r.reward_tokens!r}")
+        ids = (
+            single_token_id(tok, tokens[0], "reward.reward_tokens"),
+            single_token_id(tok, tokens[1], "reward.reward_tokens"),
+        )
+        placeholder_id = single_token_id(tok, r.placeholder_token, "reward.placeholder_token")
+        model = load_frozen(c, AutoModelForCausalLM, r.model_name_or_path, r.init_from_config, tok, place, r.dtype)
+        prm = cls(
+            model,
+            tok,
+            actor_tokenizer(c),
+            r.step_separator,
+            r.placeholder_token,
+            ids,
+            placeholder_id,
+            r.prm_aggregation,
+            c.micro("reward"),
+        )
+        return offload_idle(c, prm, model, "reward", place, ("score",))
+
+    @torch.no_grad()
+    def step_scores(self, samples: Samples) -> tuple[list[list[float]], list[list[tuple[int, int]]]]:
+        spans = [split_steps(r, self.separator) for r in samples.responses]
+        examples = []
+        for i, (prompt, text) in enumerate(zip(samples.prompts, samples.responses)):
+            steps = [text[s:e].strip() for s, e in spans[i]] or [text.strip() or "(empty)"]
+            p = self.tokenizer(prompt)["input_ids"]
+            # token level, as in PRM training: exactly one placeholder id per step, whatever the tokenizer
+            r, marks = prm_response_ids(self.tokenizer, steps, self.placeholder, self.placeholder_id)
+            examples.append(causal_example(p + r, [len(p) + m for m in marks], [0] * len(marks), record=i))
+        per_sample: list[list[float]] = [[] for _ in range(len(samples))]
+        lm_head = self.model.get_output_embeddings()
+        head = lambda hidden: F.linear(hidden, full_weight(lm_head.weight)[self.reward_token_ids])
+        self.samples_seen += len(samples)
+        pad = self.tokenizer.pad_token_id
+        for batch, logits in forward_readouts(self.model, examples, self.micro_batch_size, pad, True, head):
+            probs = step_scores(logits).cpu().tolist()
+            for e, prob in zip(batch.records[batch.readout_example].tolist(), probs):
+                per_sample[e].append(prob)
+        return per_sample, spans
+
+    def score(self, samples: Samples) -> RewardOutput:
+        per_sample, spans = self.step_scores(samples)
+        agg = PRM_AGGREGATIONS[self.aggregation]
+        if agg is not None:
+            return RewardOutput(torch.tensor([agg(s) for s in per_sample]))
+        T = max(len(r) for r in samples.response_ids)
+        dense = torch.zeros(len(samples), T)
+        for i, scores in enumerate(per_sample):
+            ends = [e for _, e in spans[i]] or [len(samples.responses[i])]
+            lengths = decoded_lengths(self.actor_tokenizer, samples.response_ids[i])
+            for score, char_end in zip(scores, ends):
+                dense[i, char_to_token_end(self.actor_tokenizer, samples.response_ids[i], char_end, lengths)] += score
+        return RewardOutput(torch.zeros(len(samples)), dense)

@@ -1,0 +1,58 @@
+"""``reward.type: rule``: a Python function of the user's, ``reward.rule = "module:function"``, called as
+``function(prompt, response, reference) -> float`` (ready-made ones: ``llm.alignment.ppo.rules``)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+import torch
+
+from llm.alignment.ppo.records import RewardOutput, RoleFailure, Samples
+from llm.alignment.ppo.rewards.base import RewardFunction, check_score, register_reward
+from llm.utils.errors import UserError
+
+if TYPE_CHECKING:
+    from llm.alignment.ppo.loading import Place
+    from llm.alignment.ppo.sections import PPOConfig
+
+
+@register_reward("rule")
+class RuleReward(RewardFunction):
+    """``module:function(prompt, response, reference) -> float``. The module is imported and the function
+    run in this process: a rule is code the user trusts. Anything it raises (``SystemExit`` and
+    ``KeyboardInterrupt`` included) stops the run with a message naming the function and the sample."""
+
+    def __init__(self, spec: str) -> None:
+        module_name, _, fn_name = spec.partition(":")
+        if not module_name or not fn_name:
+            raise UserError(f"reward.rule {spec!r}: must be 'package.module:function'")
+        try:
+            self.fn = getattr(importlib.import_module(module_name), fn_name)
+        except (ImportError, AttributeError, ValueError) as err:
+            raise UserError(f"reward.rule {spec!r}: cannot import ({err}); use 'package.module:function'") from None
+        except BaseException as err:  # noqa: BLE001 - the module's own code failed while it was imported
+            raise UserError(
+                f"reward.rule {spec!r}: importing {module_name} raised {type(err).__name__}: {err}"
+            ) from None
+        if not callable(self.fn):
+            raise UserError(f"reward.rule {spec!r}: {fn_name} is not a function")
+        self.spec = spec
+
+    @classmethod
+    def from_config(cls, c: PPOConfig, place: Place) -> RuleReward:
+        return cls(c.reward.rule)
+
+    def score(self, samples: Samples) -> RewardOutput:
+        out = []
+        for i in range(len(samples)):
+            try:
+                value = self.fn(samples.prompts[i], samples.responses[i], samples.references[i])
+            except BaseException as err:  # noqa: BLE001 - any user-code failure (SystemExit too) stops the run here
+                raise RoleFailure(
+                    f"reward.rule {self.spec} raised {type(err).__name__}: {err} on sample {i} "
+                    f"(prompt {samples.prompts[i][:80]!r}, response {samples.responses[i][:80]!r}); the run stops: "
+                    "fix the function"
+                ) from None
+            out.append(check_score(value, f"reward.rule {self.spec} on sample {i}"))
+        return RewardOutput(torch.tensor(out))

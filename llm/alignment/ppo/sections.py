@@ -1,0 +1,338 @@
+"""PPO configuration in MindSpeed-LLM's layout, the schema: ``training`` defaults that roles override, one
+section per role, ``algorithm``, ``resource_pool`` and ``data``. Every section is a dataclass; every value
+is type-checked (``llm.utils.fields``) and sizes are bounded (``metadata={"min": ...}``) when config.py
+reads a file into them; config.py also checks what the types cannot say."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from llm.alignment.ppo.algorithm import ADV_ESTIMATORS
+from llm.alignment.ppo.rewards import check_reward_url
+from llm.utils.errors import UserError
+
+
+def _f(default: Any, text: str | None = None, low: float | None = None) -> Any:
+    """A field with its help text and lower bound (``fields.field_bounds``)."""
+    metadata: dict[str, Any] = {}
+    if text:
+        metadata["help"] = text
+    if low is not None:
+        metadata["min"] = low
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class TrainingSection:
+    """Shared defaults; each role section may override the optimisation fields and the micro-batch size."""
+
+    output_dir: str = "output/ppo"
+    seed: int = _f(42, low=0)
+    learning_rate: float = _f(1e-6, low=0)
+    weight_decay: float = _f(0.0, low=0)
+    adam_beta1: float = _f(0.9, low=0)
+    adam_beta2: float = _f(0.999, low=0)
+    adam_epsilon: float = _f(1e-8, low=0)
+    max_grad_norm: float = _f(1.0, "gradient clipping (global L2 norm); 0: none", low=0)
+    lr_warmup_steps: int = _f(0, "linear warmup over this many optimizer steps, then a constant rate", low=0)
+    max_steps: int = _f(100, low=1)
+    logging_steps: int = _f(1, low=1)
+    save_steps: int = _f(0, "a checkpoint every this many steps; 0: none", low=0)
+    save_total_limit: int | None = _f(None, "checkpoints kept (the oldest are deleted); null: all", low=1)
+    resume_from_checkpoint: str | None = None
+    overwrite_output_dir: bool = _f(
+        False,
+        "train in an output_dir holding another run's results (nothing is deleted); false: such a dir stops the run",
+    )
+    bf16: bool = field(
+        default=False,
+        metadata={
+            "help": "bf16 weights for every model (frozen ones unless ref.dtype / reward.dtype say otherwise), no "
+            "autocast; actor and critic AdamW on fp32 master weights: the O2 scheme"
+        },
+    )
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata={
+            "help": "activation checkpointing of actor and critic in their update forwards (transformers' "
+            "non-reentrant checkpointing): activations are recomputed in backward instead of stored"
+        },
+    )
+    adam_offload: bool = field(
+        default=False,
+        metadata={
+            "help": "keep the AdamW state of actor and critic (fp32 master weights and both moments, ~12 B/param) "
+            "in host memory and run the optimizer step there: gradients are copied to the host, the new weights "
+            "back. Nothing to move when the role runs on the CPU (noted in the log)"
+        },
+    )
+    report_to: str = "tensorboard"
+    disable_tqdm: bool = False
+    micro_batch_size: int = _f(8, "samples per forward (packed into one row) of every role", low=1)
+
+
+@dataclass
+class ModelSection:
+    model_name_or_path: str | None = None
+    tokenizer_name_or_path: str | None = None
+    init_from_config: bool = False
+    micro_batch_size: int | None = _f(None, "samples per forward of this role; null: training.micro_batch_size", low=1)
+
+
+@dataclass
+class TrainedSection(ModelSection):
+    """A role with an optimizer (actor, critic): each null field takes the ``training`` value."""
+
+    learning_rate: float | None = _f(None, low=0)
+    weight_decay: float | None = _f(None, low=0)
+    adam_beta1: float | None = _f(None, low=0)
+    adam_beta2: float | None = _f(None, low=0)
+    adam_epsilon: float | None = _f(None, low=0)
+    max_grad_norm: float | None = _f(None, low=0)
+    lr_warmup_steps: int | None = _f(None, low=0)
+
+
+@dataclass
+class ActorRolloutSection(TrainedSection):
+    do_sample: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = _f(0, low=0)
+    max_prompt_length: int = _f(512, low=1)
+    max_response_length: int = _f(256, low=1)
+    num_samples_per_step: int = _f(1, "responses sampled per prompt", low=1)
+    ppo_mini_batch_size: int = _f(8, "samples per optimizer step (over all ranks of the role)", low=1)
+    ppo_epochs: int = _f(1, low=1)
+    clip_ratio: float = _f(0.2, low=0)
+    clip_ratio_low: float | None = _f(None, low=0)
+    clip_ratio_high: float | None = _f(None, low=0)
+    shuffle_minibatch: bool = True
+    entropy_coeff: float = _f(0.0, low=0)
+    ignore_eos: bool = False  # generate max_response_length tokens regardless of EOS (benchmarks)
+    gather_weights_for_generation: bool = field(
+        default=True,
+        metadata={
+            "help": "an actor (or rollout copy) sharded over an FSDP2 group all-gathers its full weights once per "
+            "generate call and keeps them while decoding, instead of at every decoding step: every rank then "
+            "holds the whole model during generation; false for a model whose full weights do not fit one device"
+        },
+    )
+    rollout_log_probs: bool = field(
+        default=False,
+        metadata={
+            "help": "take the actor's old log-probs from the logits that generation computes anyway (as TRL "
+            "does) instead of a separate packed forward after it: one actor forward less per step. The two "
+            "differ by float rounding (KV-cached vs full forward; ~1e-6 in fp32, more in bf16). Not with "
+            "kl_penalty 'full', which needs the actor's whole distribution: that keeps the forward"
+        },
+    )
+
+
+@dataclass
+class CriticSection(TrainedSection):
+    cliprange_value: float | None = _f(0.2, low=0)
+    critic_mini_batch_size: int = _f(8, "samples per optimizer step (over all ranks of the role)", low=1)
+    critic_update_epochs: int = _f(1, low=1)
+    value_loss_coef: float = _f(1.0, low=0)
+
+
+@dataclass
+class FrozenModelSection(ModelSection):
+    """A role whose model is not trained (reference, reward)."""
+
+    dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "weights of this frozen model: float32 or bfloat16 (half the memory, scores to bf16 "
+            "precision); null: as the trained models (bfloat16 with training.bf16, else float32)"
+        },
+    )
+    offload: bool = field(
+        default=False,
+        metadata={
+            "help": "keep this frozen model in host memory between its forwards, moving it to its device for "
+            "each call and back after; nothing to move when it runs on the CPU (noted in the log)"
+        },
+    )
+
+
+@dataclass
+class RefSection(FrozenModelSection):
+    pass
+
+
+@dataclass
+class RewardSection(FrozenModelSection):
+    type: str = _f("rule", "a registered reward type (rewards/): orm | prm | rule | http, or one a module registers")
+    rule: str = "llm.alignment.ppo.rules:math_exact_match"
+    url: str | None = _f(None, "type http: the scoring server, an http:// or https:// URL (redirects are not followed)")
+    timeout: float = _f(30.0, "seconds one HTTP reward request may take in all (connect, send, whole answer)", low=0)
+    max_retries: int = _f(2, "type http: retries of a failed request (connection error, timeout, 429, 5xx)", low=0)
+    retry_backoff: float = _f(1.0, "type http: seconds before the first retry, doubled before each next one", low=0)
+    max_response_bytes: int = _f(16 * 2**20, "type http: the largest answer read; a longer one is an error", low=1)
+    step_separator: str = "\n"
+    placeholder_token: str = "ки"
+    reward_tokens: str = "+,-"
+    prm_aggregation: str = "dense"  # rewards.PRM_AGGREGATIONS: dense | min | last | mean
+    normalize_reward: bool = False
+    reward_clip: float | None = _f(None, low=0)
+
+    def __post_init__(self) -> None:
+        """What the lower bounds cannot say: the URL scheme and upper bounds (a run must not wait for ever)."""
+        if self.url is not None:
+            check_reward_url(self.url)
+        for name, high in (("max_retries", 10), ("retry_backoff", 60.0), ("max_response_bytes", 2**30)):
+            if getattr(self, name) > high:
+                raise UserError(f"reward.{name} must be at most {high:g}, got {getattr(self, name):g}")
+
+
+@dataclass
+class KLCtrlSection:
+    type: str = "fixed"
+    kl_coef: float = _f(0.05, low=0)
+    target_kl: float = _f(6.0, low=0)
+    horizon: float = _f(10000.0, low=0)
+
+
+@dataclass
+class AlgorithmSection:
+    adv_estimator: str = "gae"
+    gamma: float = _f(1.0, low=0)
+    lam: float = _f(0.95, low=0)
+    kl_penalty: str = "kl"
+    use_kl_in_reward: bool = True
+    kl_loss_coef: float = _f(0.0, "> 0: KL as a loss term (GRPO style) instead of / besides the reward", low=0)
+    kl_ctrl: KLCtrlSection = field(default_factory=KLCtrlSection)
+    whiten_advantages: bool = True
+    missing_eos_penalty: float | None = None
+
+
+@dataclass
+class DataSection:
+    train_dataset_path: str | None = None
+    dataset_probs: str | None = None
+    rollout_batch_size: int = _f(8, "prompts per step", low=1)
+    use_chat_template: bool = False
+    shuffle: bool = _f(True, "draw the prompts in a seeded random order per pass; false: in file order")
+    map_keys: dict[str, str] | None = field(
+        default=None,
+        metadata={
+            "help": 'rename the columns of the prompt file as it is read, {"field this project reads": "column in '
+            'the file"} (MindSpeed\'s --map-keys), e.g. {"src": "question", "tgt": "answer"}'
+        },
+    )
+
+
+ROLES = ("actor_rollout", "ref", "critic", "reward")
+
+
+@dataclass
+class ResourcePool:
+    """Where the roles run. Default: all four in this process (every amount 1, ``use_ray`` false).
+
+    With ``use_ray`` each role, or each ``colocate`` group, runs in Ray actor processes placed through
+    one placement group: one process for a share of a device (< 1) or one device, N processes forming
+    an FSDP2 group for N devices. The amounts count ``device`` units.
+    """
+
+    actor_rollout: float = _f(
+        1,
+        "devices for the actor (its training and, without a rollout copy, its generation); with Ray < 1 is a "
+        "share of one device and N > 1 a group of N actors sharding the model with FSDP2",
+        low=0,
+    )
+    ref: float = _f(1, "devices for the frozen reference policy (Ray: a share < 1, or N > 1 for FSDP2)", 0)
+    critic: float = _f(1, "devices for the critic, value model and optimizer (Ray: a share < 1, or N > 1 for FSDP2)", 0)
+    reward: float = _f(1, "devices for the reward role: model, rule or HTTP client (Ray: a share < 1, or N > 1)", 0)
+    rollout: float = _f(
+        0,
+        "devices for a separate generation copy of the actor that receives its weights after every update "
+        "(Ray; bounded by weight_sync_timeout); 0: the actor generates with its own weights",
+        low=0,
+    )
+    use_ray: bool = _f(False, "run the roles in Ray actors (pip install ray); false: all roles in this process")
+    device: str = _f(
+        "cpu", "what the amounts count and where role models run: cpu (Ray CPUs) or gpu (Ray GPUs, models on CUDA)"
+    )
+    colocate: list[list[str]] = field(
+        default_factory=list,
+        metadata={
+            "help": 'groups of roles sharing one Ray actor process and its devices, e.g. [["actor_rollout", '
+            '"ref"], ["critic", "reward"]]; the members of a group need equal amounts'
+        },
+    )
+    address: str | None = _f(
+        None,
+        "Ray cluster: null joins the cluster `ray start` made on this node (else starts a local one); 'auto' "
+        "must find a running cluster; 'HOST:PORT' the head node of a cluster",
+    )
+    call_timeout: float = _f(
+        1800.0, "seconds a role call (build, generate, score, update, save) may take before the run stops naming it"
+    )
+    weight_sync_timeout: float = _f(
+        300.0, "seconds the actor -> rollout copy weight sync may take before the run stops naming it"
+    )
+    concurrent_roles: bool = _f(
+        True,
+        "with Ray: the independent calls of a phase run at the same time in their own actors (scoring: actor "
+        "and reference log-probs, values, reward; update: actor and critic); colocated roles still take turns "
+        "in their shared process. Same numbers either way; false: one call after another",
+    )
+
+    def amount(self, role: str) -> float:
+        return getattr(self, role)
+
+
+SECTIONS: dict[str, type] = {
+    "training": TrainingSection,
+    "actor_rollout": ActorRolloutSection,
+    "critic": CriticSection,
+    "ref": RefSection,
+    "reward": RewardSection,
+    "algorithm": AlgorithmSection,
+    "data": DataSection,
+    "resource_pool": ResourcePool,
+}
+
+
+@dataclass
+class PPOConfig:
+    training: TrainingSection
+    actor_rollout: ActorRolloutSection
+    critic: CriticSection
+    ref: RefSection
+    reward: RewardSection
+    algorithm: AlgorithmSection
+    data: DataSection
+    resource_pool: ResourcePool
+    source: str = ""  # the config file, for messages
+    notes: list[str] = field(default_factory=list)  # lines for the log: what a MindSpeed name became, ...
+
+    @property
+    def clip_low(self) -> float:
+        a = self.actor_rollout
+        return a.clip_ratio if a.clip_ratio_low is None else a.clip_ratio_low
+
+    @property
+    def clip_high(self) -> float:
+        a = self.actor_rollout
+        return a.clip_ratio if a.clip_ratio_high is None else a.clip_ratio_high
+
+    def optim(self, role: str, name: str) -> Any:
+        """An optimisation setting of a trained role: its own value, else the ``training`` one."""
+        value = getattr(getattr(self, role), name)
+        return getattr(self.training, name) if value is None else value
+
+    def lr(self, role: str) -> float:
+        return self.optim(role, "learning_rate")
+
+    def micro(self, role: str) -> int:
+        """Samples per forward of ``role`` (``rollout``: the actor's)."""
+        value = getattr(self, "actor_rollout" if role == "rollout" else role).micro_batch_size
+        return self.training.micro_batch_size if value is None else value
+
+    @property
+    def uses_critic(self) -> bool:
+        estimator = ADV_ESTIMATORS.get(self.algorithm.adv_estimator)  # None: refused by validate_ppo_config
+        return estimator is not None and estimator.needs_critic
