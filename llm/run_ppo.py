@@ -1,5 +1,5 @@
 """PPO with four roles (actor, reference, critic, reward) from one config file: JSON or YAML, in this project's
-layout or in MindSpeed-LLM's own (its configs/rlxf/ppo_trainer_*.yaml as they are; llm/alignment/ppo/mindspeed.py).
+layout or in MindSpeed-LLM's own (its configs/rlxf/ppo_trainer_*.yaml as they are; llm/alignment/ppo/mindspeed/).
 
 python llm/run_ppo.py llm/config/tiny/ppo_argument.json [--section.field value ...]
 python llm/run_ppo.py llm/config/tiny/ppo_ray_argument.json      # roles in Ray actors (resource_pool)

@@ -28,13 +28,11 @@ LLM = os.path.join(ROOT, "llm")
 MAX_LINES = 500
 # Files allowed over MAX_LINES, each with its reason (out of the PPO layout's scope; they have their own issues).
 LONG_FILES = {
-    "llm/data/readers.py": "every input format's reader and its checks; splitting it is the real-inputs work",
-    "llm/alignment/ppo/mindspeed.py": "the MindSpeed-LLM translation table, one rule per MindSpeed key",
-    "llm/data/make_sample_data.py": "the sample-data generator (a standalone script), not library code",
     "llm/alignment/trainer.py": "the shared SFT / DPO / reward trainer, changed under its own issue",
 }
 # Modules of llm/ that may import llm.data.make_sample_data: generators building on its problems.
 SAMPLE_GENERATOR = "llm.data.make_sample_data"
+SAMPLE_PROBLEMS = "llm.data.sample_problems"  # the generators' word problems (split out of make_sample_data)
 GENERATOR_USERS = {"llm.data.make_sft_data": "the SFT sample generator draws the same arithmetic problems"}
 
 
@@ -152,6 +150,7 @@ def test_llm_imports_neither_tests_nor_the_sample_generator():
         assert not any(n == "tests" or n.startswith("tests.") for n in names), module
         if module != SAMPLE_GENERATOR and module not in GENERATOR_USERS:
             assert SAMPLE_GENERATOR not in graph[module], f"{module} imports the sample-data generator"
+            assert SAMPLE_PROBLEMS not in graph[module], f"{module} imports the sample problems"
     assert "llm.utils.tokenizer_assets" in graph
 
 

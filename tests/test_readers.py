@@ -30,7 +30,7 @@ from llm.utils.errors import UserError
 
 datasets.disable_progress_bars()
 
-SAMPLE_DIR = Path(readers.__file__).parent / "sample"
+SAMPLE_DIR = Path(readers.__file__).parent.parent / "sample"
 
 PRM = [
     {"src": ["What is 2 + 3?"], "tgt": [], "responses": ["2 + 3 = 5.", "The answer is 5."], "labels": ["+", "+"]},
@@ -148,7 +148,7 @@ def test_json_list_streaming_matches_json_load_at_any_chunk_size(tmp_path, monke
     )
     want = [(r["src"], r["tgt"]) for r in json.loads(path.read_text())]
     for chunk in (1, 2, 3, 7, 64, 1 << 20):
-        monkeypatch.setattr(readers, "_JSON_CHUNK", chunk)
+        monkeypatch.setattr(readers.sources, "_JSON_CHUNK", chunk)
         got = read_records(str(path), "prompt")
         assert [(r.prompt[0]["content"], r.reference) for r in got] == want, chunk
 
@@ -157,7 +157,7 @@ def test_number_reference_is_not_cut_at_a_chunk_boundary(tmp_path, monkeypatch):
     path = tmp_path / "d.json"
     path.write_text('[{"prompt": "p", "answer": 1234567890}]')
     for chunk in range(1, 40):
-        monkeypatch.setattr(readers, "_JSON_CHUNK", chunk)
+        monkeypatch.setattr(readers.sources, "_JSON_CHUNK", chunk)
         assert read_records(str(path), "prompt")[0].reference == "1234567890"
 
 
@@ -764,7 +764,7 @@ def test_lazy_equals_eager_and_never_json_loads_the_file(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("as_list", [False, True])
 def test_lazy_yields_records_before_reading_everything(tmp_path, monkeypatch, as_list):
-    monkeypatch.setattr(readers, "_JSON_CHUNK", 1 << 16)
+    monkeypatch.setattr(readers.sources, "_JSON_CHUNK", 1 << 16)
     path = big_file(tmp_path, broken_last=True, as_list=as_list)
     it = load_dataset_records(path, "pair", lazy=True)
     first = next(it)
@@ -778,7 +778,7 @@ def test_lazy_yields_records_before_reading_everything(tmp_path, monkeypatch, as
 
 @pytest.mark.parametrize("as_list", [False, True])
 def test_lazy_memory_stays_small(tmp_path, monkeypatch, as_list):
-    monkeypatch.setattr(readers, "_JSON_CHUNK", 1 << 16)
+    monkeypatch.setattr(readers.sources, "_JSON_CHUNK", 1 << 16)
     path = big_file(tmp_path, as_list=as_list)
     size = os.path.getsize(path)
     tracemalloc.start()
@@ -794,7 +794,7 @@ def test_lazy_memory_stays_small(tmp_path, monkeypatch, as_list):
 def test_lazy_parquet_reads_by_batches(tmp_path, monkeypatch):
     records = [{"src": f"q{i}", "tgt": str(i)} for i in range(3000)]
     path = write_parquet(tmp_path / "d.parquet", records)
-    monkeypatch.setattr(readers, "_BATCH", 100)
+    monkeypatch.setattr(readers.sources, "_BATCH", 100)
     seen = []
     real = pq.ParquetFile.iter_batches
 

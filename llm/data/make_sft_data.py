@@ -25,7 +25,8 @@ import json
 import random
 from pathlib import Path
 
-from llm.data.make_sample_data import P_MULTI_TURN, SEED, _draw, _follow_up, _solve
+from llm.data.make_sample_data import P_MULTI_TURN, SEED
+from llm.data.sample_problems import _draw, _follow_up, _solve
 
 SFT_SAMPLE_DIR = Path(__file__).resolve().parent / "sample_sft"
 N_SFT_TRAIN = 800

@@ -1,0 +1,99 @@
+"""One file's records, read and validated: the argument checks and the per-kind parser for each record."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+
+from llm.data.readers.common import _type_name
+from llm.data.readers.pairs import _parse_pair
+from llm.data.readers.prm import _parse_prm
+from llm.data.readers.prompts import _parse_prompt
+from llm.data.readers.records import FORMATS, KINDS, Record
+from llm.data.readers.sft import _parse_sft
+from llm.data.readers.sources import _check_map_keys, _detect_format, _iter_raw, _rename, _Where
+from llm.utils.errors import UserError, closest
+
+
+def iter_records(
+    path: str,
+    kind: str,
+    *,
+    reward_tokens: str | Sequence[str] = ("+", "-"),
+    placeholder: str = "ки",
+    map_keys: dict[str, str] | None = None,
+) -> Iterator[Record]:
+    """Stream the validated records of one file, in file order, in constant memory.
+
+    Arguments, path and format are checked at once; records are read and checked as the
+    iterator advances. An empty file raises when the iterator reaches its end.
+    """
+    kind = _check_kind(kind)
+    tokens = _check_reward_tokens(reward_tokens)
+    placeholder = _check_placeholder(placeholder)
+    names = _check_map_keys(map_keys, kind)
+    path = os.fspath(path)
+    fmt = _detect_format(path)
+    return _iter_validated(path, fmt, kind, tokens, placeholder, names)
+
+
+def read_records(
+    path: str,
+    kind: str,
+    *,
+    reward_tokens: str | Sequence[str] = ("+", "-"),
+    placeholder: str = "ки",
+    map_keys: dict[str, str] | None = None,
+) -> list[Record]:
+    """Read and validate every record of one file."""
+    return list(iter_records(path, kind, reward_tokens=reward_tokens, placeholder=placeholder, map_keys=map_keys))
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks
+# --------------------------------------------------------------------------------------------
+
+
+def _check_kind(kind: str) -> str:
+    if kind not in KINDS:
+        raise UserError(
+            f"unknown data kind {kind!r}; use one of {', '.join(map(repr, KINDS))} "
+            f"(closest: {closest(str(kind), KINDS)})"
+        )
+    return kind
+
+
+def _check_reward_tokens(reward_tokens: str | Sequence[str]) -> tuple[str, str]:
+    tokens = reward_tokens.split(",") if isinstance(reward_tokens, str) else list(reward_tokens)
+    if len(tokens) != 2 or not all(isinstance(t, str) and t for t in tokens) or tokens[0] == tokens[1]:
+        raise UserError(
+            f"reward_tokens {reward_tokens!r} is invalid: give exactly two different non-empty tokens, "
+            'first positive then negative, e.g. "+,-"'
+        )
+    return tokens[0], tokens[1]
+
+
+def _check_placeholder(placeholder: str) -> str:
+    if not isinstance(placeholder, str) or not placeholder:
+        raise UserError(f'placeholder {placeholder!r} is invalid: give a non-empty string, e.g. "ки"')
+    return placeholder
+
+
+def _iter_validated(
+    path: str, fmt: str, kind: str, tokens: tuple[str, str], placeholder: str, names: dict[str, str]
+) -> Iterator[Record]:
+    parse = {"prm": _parse_prm, "pair": _parse_pair, "prompt": _parse_prompt, "sft": _parse_sft}[kind]
+    index = 0
+    for line, obj in _iter_raw(path, fmt):
+        where = _Where(path, index, line, names)
+        if not isinstance(obj, dict):
+            where.fail(
+                None, f"is a JSON {_type_name(obj)}, not an object", f"every record must be an object: {FORMATS[kind]}"
+            )
+        yield parse(_rename(obj, names, where) if names else obj, where, tokens, placeholder)
+        index += 1
+    if index == 0:
+        raise UserError(
+            f"{path}: no records found (the file or data set is empty). Fix: give a file with at least one "
+            f"record in the {kind!r} format: {FORMATS[kind]}"
+        )

@@ -1,0 +1,103 @@
+"""The records the readers return, the data kinds, and the formats and fields each kind accepts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
+
+KINDS = ("prm", "pair", "prompt", "sft")
+ROLES = ("system", "user", "assistant")
+SUPPORTED_FORMATS = (
+    ".json (a JSON list of objects, or JSON lines), .jsonl (JSON lines), .parquet, "
+    "or a Hugging Face dataset directory written by save_to_disk (Dataset, or DatasetDict with a 'train' split)"
+)
+FORMATS = {
+    "prm": 'PaddleNLP {"src", "tgt", "responses": [steps], "labels": [reward tokens]} '
+    '(src [""] when the question starts the first step), TRL stepwise {"prompt", "completions": [steps], '
+    '"labels": [true/false]} or Math-Shepherd {"input": "<steps, each ending with the placeholder>", '
+    '"label": "<input with a reward token in place of each placeholder>"}',
+    "pair": 'PaddleNLP {"src", "tgt", "response": [r0, r1], "sort": [s0, s1]} or TRL {"prompt", "chosen", "rejected"}',
+    "prompt": 'PaddleNLP {"src", "tgt" (optional reference)} or {"prompt", "reference" or "answer" (optional)}',
+    "sft": 'PaddleNLP {"src": [user turns], "tgt": [one answer per user turn]} '
+    'or TRL conversational {"messages": [{"role", "content"}, ...]}',
+}
+
+# The fields each kind reads (the names map_keys may map onto).
+FIELDS = {
+    "prm": (
+        "src",
+        "tgt",
+        "system",
+        "responses",
+        "labels",
+        "prompt",
+        "completions",
+        "input",
+        "label",
+        "problem",
+        "steps",
+        "id",
+        "generator",
+        "subset",
+        "final_answer_correct",
+        "answer",
+        "correct",
+        "group",
+    ),
+    "pair": ("src", "tgt", "system", "response", "sort", "prompt", "chosen", "rejected"),
+    "prompt": ("src", "tgt", "system", "prompt", "reference", "answer"),
+    "sft": ("src", "tgt", "system", "messages"),
+}
+
+
+@dataclass
+class PRMRecord:
+    """Process reward (Math-Shepherd) record."""
+
+    # conversation before the answer, in order, ends with a user turn; empty when the record has no
+    # separate prompt (Math-Shepherd layouts: the question starts the first step)
+    prompt: list[Message]
+    steps: list[str]
+    labels: list[str | None]  # each one of reward_tokens, or None (unlabelled); len == len(steps)
+    source: str  # file path it came from
+    index: int  # 0-based record number in that file
+    first_error: int | None = None  # ProcessBench: the earliest wrong step, -1 when all are right
+    subset: str | None = None  # ProcessBench subset (gsm8k, math, ...)
+    generator: str | None = None  # the model that wrote the solution
+    group: str | None = None  # best-of-N: the problem this candidate answers
+    answer: str | None = None  # best-of-N: its final answer
+    correct: bool | None = None  # best-of-N: whether that answer is right
+
+
+@dataclass
+class PairRecord:
+    """Preference pair (ORM / DPO)."""
+
+    prompt: list[Message]
+    chosen: str
+    rejected: str
+    source: str
+    index: int
+
+
+@dataclass
+class PromptRecord:
+    """PPO prompt with an optional reference answer."""
+
+    prompt: list[Message]
+    reference: str | None
+    source: str
+    index: int
+
+
+@dataclass
+class SFTRecord:
+    """Supervised fine-tuning conversation; every assistant message is a training target."""
+
+    messages: list[Message]  # optional system message, then starts with a user turn, ends with an assistant turn
+    source: str
+    index: int
+
+
+Record = PRMRecord | PairRecord | PromptRecord | SFTRecord
