@@ -25,11 +25,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
+from llm.alignment.ppo.rewards.model import PRM_AGGREGATIONS
 from llm.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-AGGREGATIONS = ("min", "last", "mean")  # PPO's prm_aggregation without "dense" (one score per response)
+# PPO's prm_aggregation without "dense" (the server answers one score per response)
+AGGREGATIONS = tuple(name for name, fn in PRM_AGGREGATIONS.items() if fn is not None)
 
 
 @dataclass
@@ -110,9 +112,9 @@ class RewardScorer:
         with self.lock:
             if self.kind == "orm":
                 return {"scores": self.reward.score(samples).scores.tolist()}
-            steps, _ = self.reward.step_scores(samples)
-            scores = self.reward.score(samples).scores.tolist()
-        return {"scores": scores, "step_scores": steps}
+            steps, _ = self.reward.step_scores(samples)  # one forward; aggregated as PRMReward.score does
+        aggregate = PRM_AGGREGATIONS[self.reward.aggregation]
+        return {"scores": [aggregate(s) for s in steps], "step_scores": steps}
 
 
 def make_handler(scorer: RewardScorer, args: ServeArgument):

@@ -23,6 +23,7 @@ from llm.alignment.ppo.fsdp import head_linear
 from llm.alignment.ppo.loading import actor_tokenizer, load_frozen, offload_idle
 from llm.alignment.ppo.records import RewardOutput, Samples
 from llm.alignment.ppo.rewards.base import RewardFunction, register_reward
+from llm.alignment.rm.evaluation import AGGREGATIONS
 from llm.alignment.rm.loss import step_scores
 from llm.data.packing import causal_example
 from llm.data.tokenize import prm_response_ids, single_token_id
@@ -33,12 +34,11 @@ if TYPE_CHECKING:
     from llm.alignment.ppo.loading import Place
     from llm.alignment.ppo.sections import PPOConfig
 
-# prm_aggregation -> the outcome score of a sample's step scores; "dense": none, a reward per step
+# prm_aggregation -> the outcome score of a sample's step scores (the evaluation's functions); "dense": none,
+# a reward per step
 PRM_AGGREGATIONS: dict[str, Callable[[list[float]], float] | None] = {
     "dense": None,
-    "min": min,
-    "last": lambda xs: xs[-1],
-    "mean": lambda xs: sum(xs) / len(xs),
+    **{name: AGGREGATIONS[name] for name in ("min", "last", "mean")},
 }
 
 
