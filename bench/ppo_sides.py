@@ -1,8 +1,8 @@
 """The two sides of the PPO benchmarks (``bench_ppo.py``, ``bench_ppo_drift.py``): tiny models, our trainer and
 TRL 1.12's ``PPOTrainer`` over them, and the matched settings of the TRL parity test.
 
-``parity_models``, ``parity_trl_args`` and ``parity_ours_config`` mirror ``models``, ``trl_args`` and
-``ours_config`` of ``tests/test_ppo_trl_parity.py`` (bench does not import tests): keep them in step with it.
+``parity_models``, ``parity_trl_args`` and ``parity_ours_config`` are the matched settings of the TRL parity
+test, ``tests/test_ppo_trl_parity.py``, which imports them from here (bench does not import tests).
 """
 
 from __future__ import annotations

@@ -18,116 +18,22 @@ Responses are full length with no EOS and prompts share one length, so TRL needs
 padded path places the score one token past the EOS, see the closing note of the PPO issue).
 """
 
-import copy
 import inspect
 
 import numpy as np
 import pytest
 import torch
-import transformers
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from bench.ppo_sides import parity_models as models
+from bench.ppo_sides import parity_ours_config as ours_config
+from bench.ppo_sides import parity_trl_args as trl_args
 from llm.alignment.ppo.build import build_from_models as trainer_for_models
-from llm.alignment.ppo.config import (
-    ActorRolloutSection,
-    AlgorithmSection,
-    CriticSection,
-    DataSection,
-    KLCtrlSection,
-    PPOConfig,
-    RefSection,
-    ResourcePool,
-    RewardSection,
-    TrainingSection,
-)
 from llm.alignment.ppo.prompts import Prompt
 from llm.utils.attention import PACKED_SDPA
-from llm.utils.modeling import tiny_config
 from tests.helpers import tokenizer
 
 B, P_LEN, R_LEN, STEPS = 8, 10, 6, 3
-LR, KL_COEF, VF_COEF = 1e-3, 0.05, 0.1
-
-
-def models(attn):
-    config = tiny_config("llama", 648, pad_token_id=0, num_labels=1)
-    transformers.set_seed(11)
-    policy = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn)
-    transformers.set_seed(12)
-    critic = AutoModelForSequenceClassification.from_config(copy.deepcopy(config), attn_implementation=attn)
-    transformers.set_seed(13)
-    reward = AutoModelForSequenceClassification.from_config(copy.deepcopy(config), attn_implementation=attn)
-    ref = copy.deepcopy(policy)
-    return policy, ref, critic, reward
-
-
-def trl_args(output_dir: str, batch: int, steps: int, response_len: int, lr: float):
-    """TRL's side of the matched math (k1 KL in the reward, GAE, whitening, the clip ranges, no gradient
-    clipping needed: TRL never clips here; 2 mini-batches x 2 epochs). Also used by bench_ppo_drift.py."""
-    from trl.experimental.ppo import PPOConfig as TRLConfig
-
-    return TRLConfig(
-        output_dir=output_dir,
-        report_to="none",
-        use_cpu=True,
-        seed=0,
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=1,
-        num_mini_batches=2,
-        num_ppo_epochs=2,
-        total_episodes=batch * steps,
-        response_length=response_len,
-        temperature=1.0,
-        kl_coef=KL_COEF,
-        kl_estimator="k1",
-        cliprange=0.2,
-        cliprange_value=0.2,
-        vf_coef=VF_COEF,
-        gamma=1.0,
-        lam=0.95,
-        whiten_rewards=False,
-        learning_rate=lr,
-        lr_scheduler_type="constant",
-        num_sample_generations=0,
-        stop_token=None,
-        missing_eos_penalty=None,
-        local_rollout_forward_batch_size=batch,
-        save_strategy="no",
-        disable_tqdm=True,
-        logging_steps=10_000,
-    )
-
-
-def ours_config(batch: int, steps: int, lr: float, **actor_rollout) -> PPOConfig:
-    """Our side of the same math (``trl_args``); ``actor_rollout`` adds rollout settings."""
-    return PPOConfig(
-        training=TrainingSection(
-            seed=0, learning_rate=lr, max_grad_norm=0.0, max_steps=steps, micro_batch_size=batch, report_to="none"
-        ),
-        actor_rollout=ActorRolloutSection(
-            temperature=1.0,
-            ppo_mini_batch_size=batch // 2,
-            ppo_epochs=2,
-            clip_ratio=0.2,
-            shuffle_minibatch=False,
-            **actor_rollout,
-        ),
-        critic=CriticSection(
-            cliprange_value=0.2, critic_mini_batch_size=batch // 2, critic_update_epochs=2, value_loss_coef=VF_COEF
-        ),
-        ref=RefSection(),
-        reward=RewardSection(type="orm"),
-        algorithm=AlgorithmSection(
-            adv_estimator="gae",
-            gamma=1.0,
-            lam=0.95,
-            kl_penalty="kl",
-            kl_ctrl=KLCtrlSection(type="fixed", kl_coef=KL_COEF),
-            whiten_advantages=True,
-        ),
-        data=DataSection(rollout_batch_size=batch),
-        resource_pool=ResourcePool(),
-    )
+LR = 1e-3
 
 
 def fixed_data():
