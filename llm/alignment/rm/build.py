@@ -10,16 +10,21 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from llm.alignment.lm import weights_dtype
 from llm.alignment.rm.arguments import RewardModelArgument, RewardTrainingArguments
 from llm.alignment.rm.evaluation import AGGREGATIONS
-from llm.alignment.rm.trainer import RewardTrainer
-from llm.data.packing import collate
+from llm.alignment.rm.trainer import CANDIDATE, RewardTrainer
+from llm.data.packing import Example, causal_example, collate
 from llm.data.pipeline import PackedData, load_packed, plan_summary, train_and_dev
+from llm.data.readers import PRMRecord
 from llm.data.tokenize import (
     EncodeConfig,
+    OverlongCounter,
+    _fit_prompt,
     add_placeholder_token,
     encode_pair_for_scores,
     encode_prm,
     placeholder_token_id,
+    render_prompt,
     single_token_id,
+    start_ids,
 )
 from llm.utils.arguments import DataArgument, recompute_mode
 from llm.utils.attention import kernel_for
@@ -40,6 +45,54 @@ def reward_tokens(model_args: RewardModelArgument) -> tuple[str, str]:
     return tokens  # type: ignore[return-value]
 
 
+ORM_STEP_JOIN = "\n"  # an ORM candidate's steps joined as the bundled pairs join a solution's steps
+
+
+def orm_candidate_text(steps: list[str]) -> str:
+    """The answer text an ORM scores for a best-of-N candidate: its steps joined with a newline."""
+    return ORM_STEP_JOIN.join(steps)
+
+
+def encode_orm_candidate(
+    record: PRMRecord,
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: EncodeConfig,
+    record_index: int,
+    counter: OverlongCounter,
+) -> Example | None:
+    """A best-of-N candidate for an ORM: ``[prompt | ids(orm_candidate_text(steps)) + eos]`` with one readout
+    (part ``CANDIDATE``) at its last token. Exactly the chosen side of a pair (``encode_pair_for_scores``)
+    whose chosen answer is that text, so the candidate's score is the score the ORM gives that answer in a
+    pair; a record without a separate prompt (Math-Shepherd layouts: the question starts the first step)
+    is ``[BOS] + ids(text) + eos``. Too long: the answer's end is cut (``truncate``) or the record skipped."""
+    if record.prompt:
+        full_prompt = render_prompt(record.prompt, tokenizer, cfg.use_chat_template)
+    else:
+        full_prompt = start_ids(tokenizer)
+    prompt = _fit_prompt(full_prompt, cfg)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    answer = tokenizer(orm_candidate_text(record.steps), add_special_tokens=False)["input_ids"] + eos
+    if prompt is None:
+        counter["skipped"] += 1
+        return None
+    room = cfg.max_seq_len - len(prompt)
+    status = "ok" if len(prompt) == len(full_prompt) else "truncated"
+    if len(answer) > room:
+        if cfg.overlong_policy == "skip" or room < 1:
+            counter["skipped"] += 1
+            return None
+        answer, status = answer[:room], "truncated"
+    counter[status] += 1
+    ids = prompt + answer
+    return causal_example(ids, [len(ids) - 1], [0], [CANDIDATE], record=record_index)
+
+
+def encode_orm_eval(record, tokenizer: PreTrainedTokenizerBase, cfg: EncodeConfig, record_index: int, counter):
+    """An ORM dev record: a pair (two readouts, parts 0 and 1) or a best-of-N candidate (one, ``CANDIDATE``)."""
+    encode = encode_orm_candidate if isinstance(record, PRMRecord) else encode_pair_for_scores
+    return encode(record, tokenizer=tokenizer, cfg=cfg, record_index=record_index, counter=counter)
+
+
 def build_reward_data(
     path: str,
     tokenizer: PreTrainedTokenizerBase,
@@ -50,8 +103,10 @@ def build_reward_data(
     seed: int,
     probs: str | None = None,
     lazy: bool = False,
+    dev_path: str | None = None,
 ) -> PackedData:
-    """Read, validate, tokenise and pack one split (``lazy``: a stream packed on the fly)."""
+    """Read, validate, tokenise and pack one split (``lazy``: a stream packed on the fly). An ORM reads its
+    dev split (``path == dev_path``) as ``orm_eval`` records: pairs and best-of-N candidates."""
     tokens = reward_tokens(model_args)
     cfg = EncodeConfig(
         data_args.max_seq_len, data_args.max_prompt_len, data_args.overlong_policy, data_args.use_chat_template
@@ -66,9 +121,11 @@ def build_reward_data(
             placeholder=model_args.placeholder_token,
             reward_tokens=tokens,
         )
+        kind = "prm"
+    elif path == dev_path and not lazy:
+        encode, kind = functools.partial(encode_orm_eval, tokenizer=tokenizer, cfg=cfg), "orm_eval"
     else:
-        encode = functools.partial(encode_pair_for_scores, tokenizer=tokenizer, cfg=cfg)
-    kind = "prm" if process_reward else "pair"
+        encode, kind = functools.partial(encode_pair_for_scores, tokenizer=tokenizer, cfg=cfg), "pair"
     return load_packed(
         path,
         kind,
@@ -153,6 +210,20 @@ def check_evaluation_settings(training_args: RewardTrainingArguments) -> None:
         )
 
 
+def check_orm_training_records(train: PackedData | None, training_args: RewardTrainingArguments) -> None:
+    """An ORM trains on pairs only: a best-of-N candidate in its training data (read as ``orm_eval`` when the
+    training and dev paths are the same) stops the run."""
+    if train is None or training_args.process_reward:
+        return
+    found = next((r for r in train.records if isinstance(r, PRMRecord)), None)
+    if found is not None:
+        raise UserError(
+            f"{found.source}: record {found.index}: is a best-of-N candidate (a solution with answer/correct) in "
+            "the training data of an ORM, which trains on preference pairs only. Fix: train on pairs "
+            "(train_dataset_path) and give the candidates as dev_dataset_path only"
+        )
+
+
 def build_reward_trainer(
     model_args: RewardModelArgument, data_args: DataArgument, training_args: RewardTrainingArguments
 ):
@@ -180,8 +251,10 @@ def build_reward_trainer(
         data_args=data_args,
         process_reward=training_args.process_reward,
         seed=training_args.seed,
+        dev_path=data_args.dev_dataset_path,
     )
     train, dev = train_and_dev(data_args, training_args, data)
+    check_orm_training_records(train, training_args)
     mode = "PRM" if training_args.process_reward else "ORM"
     logger.info(
         "%s %s: %.2fM parameters; %s",

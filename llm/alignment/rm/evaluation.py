@@ -18,10 +18,18 @@ candidates, drawn in a fixed seeded order, the first N compete:
 
     best_of_n       the highest-scoring candidate's answer is right (ties: the earliest drawn)
     weighted_vote   argmax over answers a of the summed scores of the candidates answering a
+                    (ties: the answer drawn first)
     majority_vote   the most frequent answer (ties: the one drawn first)
     pass_at_n       any of the N is right
 
 each as the share of groups, for N = 1, 2, 4, ... up to the smallest group's size (and that size).
+
+An ORM (``orm_best_of_n_metrics``) gives one score per candidate, a logit (the sequence-classification
+head's output, trained by -log sigmoid(s_chosen - s_rejected)), not a probability: ``bon@N`` takes the
+highest logit (ranking is the same under any increasing transform); ``weighted_vote@N`` sums
+``sigmoid(logit)`` per answer, as the verifier literature sums p(correct) (Math-Shepherd, Uesato et al. 2022):
+summed raw logits would let more candidates with a negative score *lower* their answer's weight.
+``majority_vote@N`` and ``pass@N`` do not use scores and equal the PRM's on the same candidates.
 """
 
 from __future__ import annotations
@@ -169,10 +177,19 @@ def _weighted(cands: Sequence[Candidate], score: Callable[[Candidate], float]) -
     return next(c for c in cands if sums[c.answer] == top)
 
 
-def best_of_n_metrics(
-    groups: dict[str, list[Candidate]], aggregations: Sequence[str], seed: int | None
-) -> dict[str, float]:
-    """``bon_<agg>@N``, ``weighted_vote_<agg>@N``, ``majority_vote@N``, ``pass@N`` as shares of groups."""
+def sigmoid(x: float) -> float:
+    """``1 / (1 + exp(-x))`` without overflow for any finite ``x`` (an ORM logit -> a weight in (0, 1))."""
+    if x >= 0:
+        return 1.0 / (1.0 + math.exp(-x))
+    z = math.exp(x)
+    return z / (1.0 + z)
+
+
+Scorer = tuple[Callable[[Candidate], float], Callable[[Candidate], float]]  # (rank for best-of-N, vote weight)
+
+
+def _best_of_n(groups: dict[str, list[Candidate]], scorers: dict[str, Scorer], seed: int | None) -> dict[str, float]:
+    """``bon<suffix>@N``, ``weighted_vote<suffix>@N`` per scorer, ``majority_vote@N``, ``pass@N``."""
     if not groups:
         return {}
     ordered = drawn_order(groups, seed)
@@ -181,16 +198,41 @@ def best_of_n_metrics(
         firsts = [g[:n] for g in ordered.values()]
         out[f"majority_vote@{n}"] = sum(_majority(c).correct for c in firsts) / len(firsts)
         out[f"pass@{n}"] = sum(any(x.correct for x in c) for c in firsts) / len(firsts)
-        for agg in aggregations:
-            fn = AGGREGATIONS.get(agg, lambda s: s[-1])  # "score": an ORM's one score
-
-            def score(c: Candidate, fn=fn) -> float:
-                return fn(c.scores)
-
-            best = [max(c, key=score) for c in firsts]  # max keeps the first of equal scores
-            out[f"bon_{agg}@{n}"] = sum(b.correct for b in best) / len(best)
-            out[f"weighted_vote_{agg}@{n}"] = sum(_weighted(c, score).correct for c in firsts) / len(firsts)
+        for suffix, (rank, weight) in scorers.items():
+            best = [max(c, key=rank) for c in firsts]  # max keeps the first of equal scores
+            out[f"bon{suffix}@{n}"] = sum(b.correct for b in best) / len(best)
+            out[f"weighted_vote{suffix}@{n}"] = sum(_weighted(c, weight).correct for c in firsts) / len(firsts)
     return out
+
+
+def best_of_n_metrics(
+    groups: dict[str, list[Candidate]], aggregations: Sequence[str], seed: int | None
+) -> dict[str, float]:
+    """``bon_<agg>@N``, ``weighted_vote_<agg>@N``, ``majority_vote@N``, ``pass@N`` as shares of groups (a PRM:
+    the aggregated step scores p(correct) rank and weigh the candidates)."""
+    scorers: dict[str, Scorer] = {}
+    for agg in aggregations:
+        fn = AGGREGATIONS.get(agg, lambda s: s[-1])  # "score": an ORM's one score
+
+        def score(c: Candidate, fn=fn) -> float:
+            return fn(c.scores)
+
+        scorers[f"_{agg}"] = (score, score)
+    return _best_of_n(groups, scorers, seed)
+
+
+def orm_score(c: Candidate) -> float:
+    """An ORM candidate's one score (its logit)."""
+    if len(c.scores) != 1:
+        raise ValueError(f"an ORM candidate has exactly one score, got {len(c.scores)}")
+    return c.scores[0]
+
+
+def orm_best_of_n_metrics(groups: dict[str, list[Candidate]], seed: int | None) -> dict[str, float]:
+    """An ORM's best-of-N, each candidate with its one score (a logit): ``bon@N`` (highest logit),
+    ``weighted_vote@N`` (argmax over answers of the summed ``sigmoid(logit)``), ``majority_vote@N`` and
+    ``pass@N`` (the same as ``best_of_n_metrics`` gives on the same groups), as shares of groups."""
+    return _best_of_n(groups, {"": (orm_score, lambda c: sigmoid(orm_score(c)))}, seed)
 
 
 def plot_best_of_n(metrics: dict[str, float], path: str, title: str = "best-of-N") -> None:

@@ -3,6 +3,9 @@
 The two modes differ only in how the final hidden states at the readout positions become
 per-item losses and per-example outputs; everything else is ``AlignmentTrainer``.
 
+An ORM's dev split may also hold best-of-N candidates (``llm.data.readers.orm_eval``): one readout each
+(``readout_part == CANDIDATE``), scored by the same head, in no loss (a pair's loss is the only item).
+
 Precision (``llm.utils.precision``): the heads get the hidden states cast to their weight's dtype (the
 matmul runs in bf16/fp16 under the trainer's autocast, O1 and O2); reward logits and scores are upcast
 to fp32 before the cross-entropy, softmax and log-sigmoid of ``rm.loss``.
@@ -14,6 +17,7 @@ import functools
 import os
 from collections import defaultdict
 
+import torch
 import torch.nn.functional as F
 
 from llm.alignment.lm import check_packed_attention, full_weight, readout_hidden
@@ -25,6 +29,7 @@ from llm.alignment.rm.evaluation import (
     best_threshold,
     first_error,
     metric_name,
+    orm_best_of_n_metrics,
     plot_best_of_n,
     processbench_metrics,
 )
@@ -35,6 +40,7 @@ from llm.utils.errors import UserError
 from llm.utils.lora import head_bias
 
 BEST_OF_N_PLOT = "eval_best_of_n.png"  # next to eval_results.json
+CANDIDATE = 2  # readout_part of an ORM best-of-N candidate's one readout (a pair's: 0 chosen, 1 rejected)
 
 
 class RewardTrainer(AlignmentTrainer):
@@ -66,8 +72,10 @@ class RewardTrainer(AlignmentTrainer):
 
     # one "item" = one step (PRM) or one pair (ORM)
     def count_items(self, batch: PackedBatch) -> int:
-        # unlabelled steps (target -1) are scored but are no loss items
-        return int((batch.readout_target >= 0).sum()) if self.process_reward else batch.num_examples
+        # unlabelled steps (target -1) are scored but are no loss items; nor are an ORM's best-of-N candidates
+        if self.process_reward:
+            return int((batch.readout_target >= 0).sum())
+        return int((batch.readout_part == 0).sum())  # one chosen readout per pair
 
     def forward_items(self, model, batch: PackedBatch) -> ItemOutputs:
         call = functools.partial(model, readout_index=batch.readout_index) if self.readouts_only else model
@@ -84,17 +92,37 @@ class RewardTrainer(AlignmentTrainer):
             return ItemOutputs(loss, values, counted=batch.readout_target >= 0)
         head = self.model.score
         scores = head(hidden.to(head.weight.dtype)).squeeze(-1).float()
-        chosen, rejected = scores[batch.readout_part == 0], scores[batch.readout_part == 1]
+        part = batch.readout_part
+        chosen, rejected = scores[part == 0], scores[part == 1]
         loss = pairwise_loss(chosen, rejected, self.margin, self.center, self.regularization)
-        return ItemOutputs(loss, {"chosen": chosen.detach(), "rejected": rejected.detach()})
+        values = {"chosen": chosen.detach(), "rejected": rejected.detach()}
+        single = part == CANDIDATE
+        if model.training or not bool(single.any()):  # only pairs (an ORM trains on pairs only)
+            return ItemOutputs(loss, values)
+        # best-of-N candidates (evaluation): one item per example, a pair's loss or 0 (not counted) for a candidate
+        pairs = batch.readout_example[part == 0]
+        per_example = scores.new_zeros(batch.num_examples).index_put((pairs,), loss)
+        counted = torch.zeros(batch.num_examples, dtype=torch.bool, device=scores.device).index_fill(0, pairs, True)
+        values.update(
+            candidate=scores[single].detach(), pair_example=pairs, candidate_example=batch.readout_example[single]
+        )
+        return ItemOutputs(per_example, values, counted=counted)
 
     def example_outputs(self, batch: PackedBatch, out: ItemOutputs) -> list[dict]:
         records = batch.records.tolist()
-        if not self.process_reward:
+        if not self.process_reward and "candidate" not in out.values:
             return [
                 {"record": rec, "chosen_score": c, "rejected_score": r}
                 for rec, c, r in zip(records, out.values["chosen"].tolist(), out.values["rejected"].tolist())
             ]
+        if not self.process_reward:  # pairs and best-of-N candidates (a candidate's one score: "score")
+            examples = [{"record": rec} for rec in records]
+            v = out.values
+            for ex, c, r in zip(v["pair_example"].tolist(), v["chosen"].tolist(), v["rejected"].tolist()):
+                examples[ex].update(chosen_score=c, rejected_score=r)
+            for ex, score in zip(v["candidate_example"].tolist(), v["candidate"].tolist()):
+                examples[ex]["score"] = score
+            return examples
         examples = [{"record": rec, "step_scores": [], "labels": []} for rec in records]
         for ex, score, label in zip(
             batch.readout_example.tolist(), out.values["score"].tolist(), batch.readout_target.tolist()
@@ -106,11 +134,14 @@ class RewardTrainer(AlignmentTrainer):
     def eval_metrics(self, examples: list[dict]) -> dict[str, float]:
         """The step / pair metrics, and over the eval records that carry them: ProcessBench (records with a
         first-error label) and best-of-N (records with an answer and a correct flag) of
-        ``llm.alignment.rm.evaluation``. ProcessBench examples get ``predicted_first_error``."""
+        ``llm.alignment.rm.evaluation``. ProcessBench examples get ``predicted_first_error``. An ORM: the pair
+        metrics over its pairs and its best-of-N over its candidates (``orm_best_of_n``)."""
         metrics = self.metrics(examples)
         records = getattr(self, "eval_records", None)
-        if not records or not self.process_reward:
+        if not records:
             return metrics
+        if not self.process_reward:
+            return {**metrics, **self.orm_best_of_n(examples, records)}
         args = self.args
         solutions, groups = [], defaultdict(list)
         for ex in examples:
@@ -145,10 +176,29 @@ class RewardTrainer(AlignmentTrainer):
             aggregations = [a.strip() for a in args.bon_aggregations.split(",")]
             bon = best_of_n_metrics(groups, aggregations, args.seed)
             metrics.update(bon)
-            if self.is_world_process_zero():
-                os.makedirs(args.output_dir, exist_ok=True)
-                plot_best_of_n(bon, os.path.join(args.output_dir, BEST_OF_N_PLOT))
+            self.plot_best_of_n(bon, "best-of-N")
         return metrics
+
+    def orm_best_of_n(self, examples: list[dict], records: list) -> dict[str, float]:
+        """An ORM's best-of-N over the candidates among ``examples`` (``bon@N``, ``weighted_vote@N`` with
+        sigmoid weights, ``majority_vote@N``, ``pass@N``); each candidate's example gets its group, answer and
+        correctness for the scores file."""
+        groups: dict[str, list[Candidate]] = defaultdict(list)
+        for ex in examples:
+            if "score" in ex:
+                rec = records[ex["record"]]
+                ex.update(group=rec.group, answer=rec.answer, correct=rec.correct)
+                groups[rec.group].append(Candidate([ex["score"]], rec.answer, rec.correct))
+        if not groups:
+            return {}
+        bon = orm_best_of_n_metrics(groups, self.args.seed)
+        self.plot_best_of_n(bon, "best-of-N (ORM)")
+        return bon
+
+    def plot_best_of_n(self, metrics: dict[str, float], title: str) -> None:
+        if self.is_world_process_zero():
+            os.makedirs(self.args.output_dir, exist_ok=True)
+            plot_best_of_n(metrics, os.path.join(self.args.output_dir, BEST_OF_N_PLOT), title)
 
     def metric_names(self) -> list[str]:
         return (
@@ -161,7 +211,9 @@ class RewardTrainer(AlignmentTrainer):
         if not examples:
             return {}
         if not self.process_reward:
-            diffs = [ex["chosen_score"] - ex["rejected_score"] for ex in examples]
+            diffs = [ex["chosen_score"] - ex["rejected_score"] for ex in examples if "chosen_score" in ex]
+            if not diffs:  # best-of-N candidates only: no pair metrics rather than zeros
+                return {}
             return {"accuracy": sum(d > 0 for d in diffs) / len(diffs), "margin": sum(diffs) / len(diffs)}
         steps = correct = solved = positive = labelled = 0
         for ex in examples:

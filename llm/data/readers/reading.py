@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterator, Sequence
 
 from llm.data.readers.common import _type_name
+from llm.data.readers.orm_eval import _parse_orm_eval
 from llm.data.readers.pairs import _parse_pair
 from llm.data.readers.prm import _parse_prm
 from llm.data.readers.prompts import _parse_prompt
@@ -82,7 +83,13 @@ def _check_placeholder(placeholder: str) -> str:
 def _iter_validated(
     path: str, fmt: str, kind: str, tokens: tuple[str, str], placeholder: str, names: dict[str, str]
 ) -> Iterator[Record]:
-    parse = {"prm": _parse_prm, "pair": _parse_pair, "prompt": _parse_prompt, "sft": _parse_sft}[kind]
+    parse = {
+        "prm": _parse_prm,
+        "pair": _parse_pair,
+        "prompt": _parse_prompt,
+        "sft": _parse_sft,
+        "orm_eval": _parse_orm_eval,
+    }[kind]
     index = 0
     for line, obj in _iter_raw(path, fmt):
         where = _Where(path, index, line, names)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
 
-KINDS = ("prm", "pair", "prompt", "sft")
+KINDS = ("prm", "pair", "prompt", "sft", "orm_eval")
 ROLES = ("system", "user", "assistant")
 SUPPORTED_FORMATS = (
     ".json (a JSON list of objects, or JSON lines), .jsonl (JSON lines), .parquet, "
@@ -22,6 +22,11 @@ FORMATS = {
     "sft": 'PaddleNLP {"src": [user turns], "tgt": [one answer per user turn]} '
     'or TRL conversational {"messages": [{"role", "content"}, ...]}',
 }
+# an ORM's dev split: either kind, record by record (llm/data/readers/orm_eval.py)
+FORMATS["orm_eval"] = (
+    f'a preference pair ({FORMATS["pair"]}) or a best-of-N candidate (a PRM layout with "answer" and '
+    f'"correct": true/false; "group" optional, "labels" not needed): {FORMATS["prm"]}'
+)
 
 # The fields each kind reads (the names map_keys may map onto).
 FIELDS = {
@@ -49,6 +54,7 @@ FIELDS = {
     "prompt": ("src", "tgt", "system", "prompt", "reference", "answer"),
     "sft": ("src", "tgt", "system", "messages"),
 }
+FIELDS["orm_eval"] = tuple(dict.fromkeys(FIELDS["pair"] + FIELDS["prm"]))
 
 
 @dataclass
