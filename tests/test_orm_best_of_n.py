@@ -130,6 +130,7 @@ def test_eval_only_orm_best_of_n_equals_what_its_scores_imply(tmp_path):
     for key, value in expected.items():
         assert results[f"eval_{key}"] == pytest.approx(value), key
     assert not any(k.startswith(("eval_bon_min", "eval_accuracy", "eval_processbench")) for k in results)
+    assert "eval_loss" not in results  # candidates only: no loss item (before: 0.0, a "perfect" loss)
 
     prm = tmp_path / "prm"
     main([config(tmp_path, dev_dataset_path=BON_DEV, do_train=False, seed=7, output_dir=str(prm))])

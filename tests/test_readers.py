@@ -869,3 +869,80 @@ def test_best_of_n_candidates_group_by_question_and_may_be_unlabelled(tmp_path):
     assert r1.labels == [None, None] and r1.answer == "3" and r1.correct is True
     assert r2.labels == ["-"] and r1.group == r2.group != r3.group == "g2"
     assert (r4.answer, r4.correct, r4.group) == ("9", True, "P")  # ProcessBench's final_answer_correct
+
+
+def _shepherd(question, steps, answer, correct, group=None, marks=None):
+    """A Hugging Face Math-Shepherd row (the question starts the first step) as a best-of-N candidate."""
+    text = question + " " + "".join(f"{s} ки\n" for s in steps)
+    marked = text
+    for mark in marks or ["+"] * len(steps):
+        marked = marked.replace("ки", mark, 1)
+    rec = {"input": text, "label": marked, "answer": answer, "correct": correct}
+    return rec if group is None else {**rec, "group": group}
+
+
+# two problems x 3 candidates; the step scores each candidate is given below (``SHEPHERD_SCORES``)
+SHEPHERD_BON = [
+    ("a", "What is 2 + 3?", ["2 + 3 = 5.", "The answer is 5."], "5", True),
+    ("a", "What is 2 + 3?", ["3 + 2 = 5.", "The answer is 5."], "5", True),
+    ("a", "What is 2 + 3?", ["2 + 3 = 6.", "The answer is 6."], "6", False),
+    ("b", "What is 4 * 2?", ["4 * 2 = 7.", "The answer is 7."], "7", False),
+    ("b", "What is 4 * 2?", ["The answer is 7."], "7", False),
+    ("b", "What is 4 * 2?", ["4 * 2 = 8.", "The answer is 8."], "8", True),
+]
+SHEPHERD_SCORES = [[0.9, 0.4], [0.7, 0.6], [0.95, 0.8], [0.3, 0.9], [0.2], [0.6, 0.55]]
+
+
+def test_math_shepherd_candidates_without_group_stop_naming_record_and_field(tmp_path):
+    """Before: such candidates all got group None, i.e. the candidates of every problem formed one group."""
+    recs = [_shepherd(q, s, a, c, g) for g, q, s, a, c in SHEPHERD_BON]
+    recs[3].pop("group")  # the first candidate of problem "b" has none
+    with pytest.raises(UserError) as exc:
+        read_records(write_jsonl(tmp_path / "shepherd_bon.jsonl", recs), "prm")
+    msg = str(exc.value)
+    assert "shepherd_bon.jsonl: record 3" in msg and "field 'group'" in msg and "is missing" in msg, msg
+    assert "Fix: add a 'group' field" in msg
+    # none has a group: stops at the first record
+    recs = [_shepherd(q, s, a, c) for _, q, s, a, c in SHEPHERD_BON]
+    with pytest.raises(UserError, match=r"shepherd_bon.jsonl: record 0 \(line 1\), field 'group'"):
+        read_records(write_jsonl(tmp_path / "shepherd_bon.jsonl", recs), "prm")
+    # PaddleNLP's conversion (src [""]) groups by nothing either: the first step holds the question *and* its text
+    paddle = [
+        {"src": [""], "tgt": [], "responses": [q + " " + s[0], *s[1:]], "answer": a, "correct": c}
+        for _, q, s, a, c in SHEPHERD_BON
+    ]
+    with pytest.raises(UserError) as exc:
+        read_records(write_jsonl(tmp_path / "paddle_bon.jsonl", paddle), "prm")
+    msg = str(exc.value)
+    assert "paddle_bon.jsonl: record 0" in msg and "field 'group'" in msg and "'src' is empty" in msg, msg
+    # an empty group is no name either
+    with pytest.raises(UserError, match=r"record 0 \(line 1\), field 'group': is empty"):
+        read_records(write_jsonl(tmp_path / "empty.jsonl", [{**paddle[0], "group": " "}]), "prm")
+    # records that are no candidates (no answer/correct) need no group: Math-Shepherd training data as before
+    plain = [{k: v for k, v in r.items() if k not in ("answer", "correct")} for r in recs]
+    assert [r.group for r in read_records(write_jsonl(tmp_path / "train.jsonl", plain), "prm")] == [None] * 6
+
+
+def test_math_shepherd_candidates_with_group_form_their_problems_groups(tmp_path):
+    """With ``group``: two groups of three, and best-of-N over them as computed by hand (at N = 3 every
+    candidate of a group competes, so the drawn order does not matter)."""
+    from llm.alignment.rm.evaluation import Candidate, best_of_n_metrics
+
+    recs = [_shepherd(q, s, a, c, g) for g, q, s, a, c in SHEPHERD_BON]
+    recs[2] = _shepherd(*SHEPHERD_BON[2][1:], group="a", marks=["-", "-"])  # labels are read as before
+    read = read_records(write_jsonl(tmp_path / "shepherd_bon.jsonl", recs), "prm")
+    assert [r.group for r in read] == ["a"] * 3 + ["b"] * 3
+    assert read[0].prompt == [] and read[0].steps == ["What is 2 + 3? 2 + 3 = 5.", "The answer is 5."]
+    assert read[2].labels == ["-", "-"] and read[0].labels == ["+", "+"]
+    groups = {}
+    for rec, scores in zip(read, SHEPHERD_SCORES):
+        groups.setdefault(rec.group, []).append(Candidate(scores, rec.answer, rec.correct))
+    m = best_of_n_metrics(groups, ["min"], seed=3)
+    assert m["bon_groups"] == 2
+    # min scores a: 0.4 (5, right), 0.6 (5, right), 0.8 (6, wrong); b: 0.3 (7, wrong), 0.2 (7, wrong), 0.55 (8, right)
+    assert m["bon_min@3"] == pytest.approx(0.5)  # a picks 0.8 (wrong), b picks 0.55 (right)
+    assert m["weighted_vote_min@3"] == pytest.approx(1.0)  # a: 5 has 1.0 > 0.8; b: 8 has 0.55 > 0.5
+    assert m["majority_vote@3"] == pytest.approx(0.5)  # a: 5 (right); b: 7 (wrong)
+    assert m["pass@3"] == pytest.approx(1.0)
+    # the old behaviour (one group of all six) would have given one group whose best (0.8) is wrong
+    assert best_of_n_metrics({None: [c for g in groups.values() for c in g]}, ["min"], 3)["bon_min@6"] == 0.0

@@ -473,3 +473,128 @@ def test_eval_only_best_of_n_metrics_and_plot(tmp_path):
         sum(any(r["correct"] for r in recs if r["group"] == g) for g in groups) / 24
     )
     assert results["eval_bon_min@1"] <= results["eval_pass@8"]
+    # no labelled step, so no loss item: no eval_loss (before: 0.0, which read like a perfect loss)
+    assert "eval_loss" not in results and "eval_step_accuracy" not in results
+
+
+def _shepherd_candidates(with_group):
+    """Two problems x 3 best-of-N candidates in the Hugging Face Math-Shepherd layout (the question starts
+    the first step; labels from ``label``)."""
+    rows = [
+        ("a", "What is 2 + 3?", ["2 + 3 = 5.", "The answer is 5."], "5", True),
+        ("a", "What is 2 + 3?", ["3 + 2 = 5.", "The answer is 5."], "5", True),
+        ("a", "What is 2 + 3?", ["2 + 3 = 6.", "The answer is 6."], "6", False),
+        ("b", "What is 4 * 2?", ["4 * 2 = 7.", "The answer is 7."], "7", False),
+        ("b", "What is 4 * 2?", ["The answer is 7."], "7", False),
+        ("b", "What is 4 * 2?", ["4 * 2 = 8.", "The answer is 8."], "8", True),
+    ]
+    out = []
+    for group, question, steps, answer, correct in rows:
+        text = question + " " + "".join(f"{s} ки\n" for s in steps)
+        mark = "+" if correct else "-"
+        rec = {"input": text, "label": text.replace("ки", mark), "answer": answer, "correct": correct}
+        out.append({**rec, "group": group} if with_group else rec)
+    return out
+
+
+def test_eval_only_math_shepherd_candidates_without_group_exit_2(tmp_path, capsys):
+    """Before: they formed one group of all problems' candidates, and the metrics were silently wrong."""
+    dev = tmp_path / "shepherd_bon.jsonl"
+    dev.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in _shepherd_candidates(False)))
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(main, [config(tmp_path, dev_dataset_path=str(dev), do_train=False, do_eval=True)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, err
+    for needle in ("shepherd_bon.jsonl: record 0", "field 'group'", "add a 'group' field"):
+        assert needle in errors[0], err
+    assert "Traceback" not in err
+
+
+def test_eval_only_math_shepherd_candidates_with_group(tmp_path):
+    """With ``group``: one group per problem; majority vote and pass@N are hand-computed from the data, best-of-N
+    follows from the scores file; the labelled steps give an eval_loss."""
+    from llm.alignment.rm.evaluation import AGGREGATIONS
+
+    dev = tmp_path / "shepherd_bon.jsonl"
+    recs = _shepherd_candidates(True)
+    dev.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
+    main([config(tmp_path, dev_dataset_path=str(dev), do_train=False, do_eval=True)])
+    out = tmp_path / "out"
+    results = read_json(out / "eval_results.json")
+    assert results["eval_bon_groups"] == 2
+    assert results["eval_majority_vote@3"] == pytest.approx(0.5)  # a: "5" (right); b: "7" (wrong)
+    assert results["eval_pass@3"] == pytest.approx(1.0) and results["eval_pass@1"] <= 1.0
+    rows = read_jsonl(out / "eval_scores.jsonl")
+    by_group = {}
+    for row in rows:
+        rec = recs[row["index"]]
+        by_group.setdefault(rec["group"], []).append((AGGREGATIONS["min"](row["step_scores"]), rec["correct"]))
+    best = [max(group, key=lambda c: c[0])[1] for group in by_group.values()]  # all 3 compete at N = 3
+    assert results["eval_bon_min@3"] == pytest.approx(sum(best) / 2)
+    assert math.isfinite(results["eval_loss"]) and results["eval_loss"] > 0
+
+
+def test_best_model_by_loss_with_a_dev_split_without_loss_items_stops_before_training(tmp_path, capsys):
+    """load_best_model_at_end makes metric_for_best_model "loss"; dev data of unlabelled best-of-N candidates
+    has no loss item, so no evaluation reports eval_loss. Before: every evaluation reported 0.0 and the first
+    checkpoint was silently the "best"; without the check transformers would stop at the first evaluation with
+    a KeyError. The run stops at start-up instead, exit 2, and trains nothing."""
+    train = small_split(tmp_path, "prm_train.jsonl", 4)
+    dev = small_split(tmp_path, "bon_dev.jsonl", 8)
+    cfg = config(
+        tmp_path,
+        train_dataset_path=train,
+        dev_dataset_path=dev,
+        max_steps=2,
+        evaluation_strategy="steps",
+        save_strategy="steps",
+        eval_steps=1,
+        save_steps=1,
+        load_best_model_at_end=True,
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(main, [cfg])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "metric_for_best_model='loss'" in errors[0], err
+    assert "no loss item (no labelled steps)" in errors[0] and "load_best_model_at_end" in errors[0], err
+    assert "Traceback" not in err
+    assert not any(p.name.startswith("checkpoint-") for p in (tmp_path / "out").glob("*"))
+
+
+def test_best_model_check_counts_loss_items_of_the_packed_dev_rows(tmp_path):
+    """The start-up check and the guard at each evaluation, on a built trainer: a dev split with one labelled
+    record among the candidates passes; an evaluation without the metric is one UserError, not a KeyError."""
+    from llm.alignment.rm.arguments import REWARD_ARGUMENT_TYPES
+    from llm.alignment.rm.build import build_reward_trainer
+    from llm.utils.arguments import parse_arguments, validate_arguments
+    from llm.utils.errors import UserError
+
+    dev = tmp_path / "dev.jsonl"
+    with open(small_split(tmp_path, "bon_dev.jsonl", 8), encoding="utf-8") as f:
+        cands = f.read()
+    with open(small_split(tmp_path, "prm_dev.jsonl", 1), encoding="utf-8") as f:
+        labelled = f.read()
+
+    def trainer_for(text):
+        dev.write_text(text)
+        cfg = config(tmp_path, dev_dataset_path=str(dev), do_train=False, metric_for_best_model="loss")
+        args = parse_arguments([cfg], REWARD_ARGUMENT_TYPES)
+        validate_arguments(*args)
+        return build_reward_trainer(*args)[0]
+
+    trainer = trainer_for(cands)
+    assert trainer.eval_has_loss_items() is False
+    with pytest.raises(UserError, match="no loss item"):
+        trainer.check_metric_for_best_model()
+    with pytest.raises(UserError, match=r"metric_for_best_model='loss': this evaluation did not report it"):
+        trainer._determine_best_metric({"eval_bon_min@8": 0.5, "eval_runtime": 0.1}, None)
+    metrics = trainer.evaluate()
+    assert "eval_loss" not in metrics and "eval_bon_min@8" in metrics
+    trainer = trainer_for(cands + labelled)
+    assert trainer.eval_has_loss_items() is True
+    trainer.check_metric_for_best_model()
+    assert math.isfinite(trainer.evaluate()["eval_loss"])

@@ -104,6 +104,37 @@ class AlignmentTrainer(Trainer):
                 f"metric_for_best_model={name!r} is not a metric of {type(self).__name__}; it reports "
                 f"{', '.join(valid)} (each also as eval_<name>)"
             )
+        if name.removeprefix("eval_") == "loss" and self.eval_has_loss_items() is False:
+            raise UserError(
+                f"metric_for_best_model={name!r} (transformers' default with load_best_model_at_end or "
+                f"lr_scheduler_type reduce_lr_on_plateau) needs eval_loss, but the eval data has no loss item (no "
+                f"{self.loss_items_description}), so no evaluation reports eval_loss. Fix: drop load_best_model_at_end "
+                "(and save_strategy best / lr_scheduler_type reduce_lr_on_plateau), or add "
+                f"{self.loss_items_description} to the eval data"
+            )
+
+    loss_items_description = "records with a loss"  # the loss items in the trainer's terms, for messages
+
+    def eval_has_loss_items(self) -> bool | None:
+        """Whether the eval data holds at least one loss item (``count_items``), told from its packed rows without
+        a forward; None when there is no eval data or it cannot be told without reading it (streamed, several)."""
+        rows = self.eval_dataset
+        if not isinstance(rows, list) or not rows:
+            return None
+        return any(self.count_items(self.data_collator(rows[i : i + 64])) for i in range(0, len(rows), 64))
+
+    def _determine_best_metric(self, metrics: dict[str, float], trial) -> bool:
+        # transformers raises a KeyError (a traceback) when an evaluation lacks the metric, e.g. eval_loss of eval
+        # data without loss items that check_metric_for_best_model could not see before training (streamed)
+        name = self.args.metric_for_best_model
+        if name is not None and (name if name.startswith("eval_") else f"eval_{name}") not in metrics:
+            reported = ", ".join(k for k in metrics if k not in ("eval_runtime", "epoch")) or "none"
+            raise UserError(
+                f"metric_for_best_model={name!r}: this evaluation did not report it (it reported: {reported}); "
+                "eval_loss needs eval data with a loss item, the other metrics the records they are computed "
+                "over. Fix: choose a metric that the eval data gives, or drop load_best_model_at_end"
+            )
+        return super()._determine_best_metric(metrics, trial)
 
     # --- to implement -------------------------------------------------------------------------
     def metric_names(self) -> list[str]:
@@ -508,11 +539,15 @@ class AlignmentTrainer(Trainer):
         model.train(was_training)
         unique = {ex["record"]: ex for ex in _gather_objects(examples)}
         examples = [unique[k] for k in sorted(unique)]
-        loss = sum(ex.pop("_loss") for ex in examples) / max(sum(ex.pop("_items") for ex in examples), 1)
-        metrics = {"loss": loss, **self.eval_metrics(examples)}
+        loss_sum = sum(ex.pop("_loss") for ex in examples)
+        items = sum(ex.pop("_items") for ex in examples)
+        # No loss item (e.g. a reward model's dev data of best-of-N candidates only): no eval_loss at all, not a
+        # 0 that reads as a perfect loss (see check_metric_for_best_model for the best model by loss).
+        metrics = {"loss": loss_sum / items} if items else {}
+        metrics.update(self.eval_metrics(examples))
         metrics["runtime"] = time.perf_counter() - start
         metrics = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
-        if not math.isfinite(loss):
+        if items and not math.isfinite(loss_sum):
             metrics[f"{metric_key_prefix}_loss"] = float("nan")
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)

@@ -70,6 +70,10 @@ class RewardTrainer(AlignmentTrainer):
             raise ValueError("PRM mode needs reward_token_ids")
         self.readouts_only = self.last_layer_at_readouts and readout.install(self.model)
 
+    @property
+    def loss_items_description(self) -> str:
+        return "labelled steps" if self.process_reward else "preference pairs"
+
     # one "item" = one step (PRM) or one pair (ORM)
     def count_items(self, batch: PackedBatch) -> int:
         # unlabelled steps (target -1) are scored but are no loss items; nor are an ORM's best-of-N candidates

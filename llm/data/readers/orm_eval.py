@@ -6,9 +6,9 @@ Schema (``kind``)
     record with a solution's steps (``responses``, ``completions``, ``input``, or ProcessBench's
     ``problem`` / ``steps``) is a best-of-N candidate: any ``"prm"`` layout with ``answer`` and ``correct``
     (a ``PRMRecord``; its ``labels`` may be left out and are not used; ``group`` is required when the
-    question is not separate, as in the Math-Shepherd layouts). A solution without ``answer`` /
-    ``correct`` stops the run: an ORM gives one score per text, so there is nothing to compare it with, and
-    ProcessBench's first-error label needs a score per step.
+    question is not separate, as in the Math-Shepherd layouts: the ``"prm"`` reader's rule, as for a PRM).
+    A solution without ``answer`` / ``correct`` stops the run: an ORM gives one score per text, so there is
+    nothing to compare it with, and ProcessBench's first-error label needs a score per step.
 """
 
 from __future__ import annotations
@@ -54,12 +54,5 @@ def _parse_orm_eval(rec: dict, where: _Where, tokens: tuple[str, str], placehold
             "add its final 'answer' and 'correct' (true/false), give preference pairs, or evaluate step labels "
             "with a PRM (process_reward: true)",
         )
-    if not record.prompt and not _present(rec, "group"):
-        # the PRM reader's fallback key is the first step (there: the question *and* its first step)
-        where.fail(
-            "group",
-            "is missing, and this candidate has no separate question (it starts its first step), so which "
-            "problem it answers cannot be told from the record",
-            "give every candidate a 'group' naming its problem (the same for all candidates of one problem)",
-        )
+    # a candidate without a separate question (the Math-Shepherd layouts) and without 'group' stopped in _parse_prm
     return record

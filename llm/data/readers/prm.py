@@ -16,8 +16,12 @@ Schema (``kind``)
     label (``None``: scored, but in no loss or step metric); ``PRMRecord.first_error`` keeps the label,
     ``subset`` the record's ``subset`` field or the prefix of an ``id`` like ``"gsm8k-12"``.
     Best-of-N candidates: any PRM layout with ``answer`` (the final answer) and ``correct`` (a boolean)
-    is one candidate of its problem's group (``group`` when given, else the prompt and question text);
-    such a record may leave out ``labels`` (its steps are then unlabelled).
+    is one candidate of its problem's group (``group`` when given, else its question: the prompt, or
+    ProcessBench's ``problem``); such a record may leave out ``labels`` (its steps are then unlabelled).
+    A candidate without a separate question (the Math-Shepherd layouts: ``input``/``label``, or
+    ``src: [""]``) must give ``group``: its question is only the start of its first step, which also
+    holds that step's own text, so no key taken from the record would put one problem's candidates
+    together; reading stops naming the record and the field instead.
 """
 
 from __future__ import annotations
@@ -153,6 +157,7 @@ def _parse_prm(rec: dict, where: _Where, tokens: tuple[str, str], placeholder: s
     if fmt == "shepherd":
         _require(rec, where, "prm", ("input", "label"), "Math-Shepherd")
         steps, labels = _shepherd_steps(rec, where, tokens, placeholder)
+        _need_group(candidate, where, "Math-Shepherd layout: the question starts 'input'")
         return PRMRecord([], steps, labels, where.path, where.index, **candidate)
     unlabelled = candidate["correct"] is not None and not _present(rec, "labels")
     if fmt == "paddle":
@@ -163,9 +168,23 @@ def _parse_prm(rec: dict, where: _Where, tokens: tuple[str, str], placeholder: s
         prompt, steps_field = _trl_prompt(rec, where), "completions"
     steps = _steps(rec[steps_field], steps_field, where, placeholder)
     labels = [None] * len(steps) if unlabelled else _labels(rec["labels"], where, tokens, len(steps), steps_field)
-    if candidate["correct"] is not None and candidate["group"] is None:
-        candidate["group"] = json.dumps([m["content"] for m in prompt] + ([] if prompt else steps[:1]))
+    if not prompt:  # PaddleNLP's Math-Shepherd conversion (src: [""]): the question starts the first step
+        _need_group(candidate, where, "'src' is empty: the question starts the first of 'responses'")
+    elif candidate["correct"] is not None and candidate["group"] is None:
+        candidate["group"] = json.dumps([m["content"] for m in prompt])
     return PRMRecord(prompt, steps, labels, where.path, where.index, **candidate)
+
+
+def _need_group(candidate: dict, where: _Where, layout: str) -> None:
+    """A best-of-N candidate without a separate question must name its problem in ``group``."""
+    if candidate["correct"] is None or candidate["group"] is not None:
+        return
+    where.fail(
+        "group",
+        f"is missing, and this best-of-N candidate has no separate question ({layout}, in one step with that "
+        "step's own text), so which problem it answers cannot be told from the record",
+        "add a 'group' field naming its problem to every candidate (the same for all candidates of one problem)",
+    )
 
 
 _SUBSET_ID = re.compile(r"^(.+)-\d+$")
@@ -197,6 +216,8 @@ def _candidate(rec: dict, where: _Where) -> dict:
     if (out["answer"] is None) != (out["correct"] is None):
         have, need = ("answer", "correct") if out["answer"] is not None else ("correct", "answer")
         where.fail(need, f"is missing while '{have}' is given", "a best-of-N candidate needs both answer and correct")
+    if out["correct"] is not None and out["group"] is not None and not out["group"].strip():
+        where.fail("group", "is empty", "name the candidate's problem (the same for all candidates of one problem)")
     return out
 
 

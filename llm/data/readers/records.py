@@ -25,7 +25,7 @@ FORMATS = {
 # an ORM's dev split: either kind, record by record (llm/data/readers/orm_eval.py)
 FORMATS["orm_eval"] = (
     f'a preference pair ({FORMATS["pair"]}) or a best-of-N candidate (a PRM layout with "answer" and '
-    f'"correct": true/false; "group" optional, "labels" not needed): {FORMATS["prm"]}'
+    f'"correct": true/false; "group" when the record has no separate question, "labels" not needed): {FORMATS["prm"]}'
 )
 
 # The fields each kind reads (the names map_keys may map onto).
