@@ -13,9 +13,11 @@ import copy
 PARITY_KL_COEF, PARITY_VF_COEF = 0.05, 0.1
 
 
-def four_models(attn: str, seeds=(1, 2, 3), vocab: int = 648, eos_bias: float = 0.0, eos_id: int = 2, **sizes):
-    """(policy, reference = a copy of the policy, critic, reward): random Llamas of ``tiny_config("llama", vocab,
-    **sizes)``, seeded per model. ``eos_bias``: the policy's LM head gets a bias of that much on ``eos_id``, so
+def four_models(
+    attn: str, seeds=(1, 2, 3), vocab: int = 648, eos_bias: float = 0.0, eos_id: int = 2, model_type="llama", **sizes
+):
+    """(policy, reference = a copy of the policy, critic, reward): random models of ``tiny_config(model_type,
+    vocab, **sizes)`` (Llamas by default), seeded per model. ``eos_bias``: the policy's LM head gets a bias of that much on ``eos_id``, so
     a random policy samples EOS with ~exp(bias) / vocab per token (sampled lengths vary)."""
     import torch
     import transformers
@@ -23,7 +25,7 @@ def four_models(attn: str, seeds=(1, 2, 3), vocab: int = 648, eos_bias: float = 
 
     from llm.utils.modeling import tiny_config
 
-    cfg = tiny_config("llama", vocab, pad_token_id=0, num_labels=1, **sizes)
+    cfg = tiny_config(model_type, vocab, pad_token_id=0, num_labels=1, **sizes)
     transformers.set_seed(seeds[0])
     policy = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=attn)
     if eos_bias:

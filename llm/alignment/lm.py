@@ -4,6 +4,7 @@ The vocabulary projection is applied only at readout positions, never at every p
 row: the model runs with ``output_hidden_states=True, logits_to_keep=1`` (``readout_hidden``), and
 the LM head is applied to the gathered hidden states ``chunk_size`` readouts at a time. Under autograd
 each chunk is checkpointed, so backward also holds one ``(chunk, vocab)`` block of logits at a time.
+``chunked`` is that loop for any per-readout head math (PPO's log-probs, entropies and exact KL use it too).
 
 Precision (``llm.utils.precision``): the hidden states are cast to the head weight's dtype for the
 matmul (under the trainers' bf16/fp16 autocast it runs in half precision, O1 and O2 alike), and the
@@ -11,6 +12,8 @@ logits are upcast to fp32 before the log-softmax: log-probs are fp32.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -68,17 +71,27 @@ def readout_log_probs(
 
     Shapes: ``hidden`` ``(N, H)``, ``targets`` ``(N,)``, ``weight`` ``(V, H)`` -> ``(N,)`` float, ``(N,)`` bool.
     """
-    if hidden.shape[0] <= chunk_size:
-        return _chunk_log_probs(hidden, targets, weight, bias)
+    return chunked(_chunk_log_probs, (hidden, targets), (weight, bias), chunk_size)
+
+
+def chunked(fn: Callable[..., tuple], per_readout: tuple, shared: tuple, chunk_size: int = READOUT_CHUNK) -> tuple:
+    """``fn(*per_readout, *shared)`` on ``chunk_size`` readouts at a time: ``per_readout`` are ``(N, ...)``
+    tensors (or None) sliced along the first dimension, ``shared`` go whole to every call (head weights,
+    settings), and ``fn`` returns a tuple of ``(n, ...)`` tensors (or None), concatenated over the chunks.
+    With gradients enabled each chunk is checkpointed (its ``(chunk, vocab)`` intermediates are recomputed in
+    backward instead of kept), so forward and backward hold one chunk's blocks at a time; up to one chunk of
+    readouts is one plain call."""
+    if per_readout[0].shape[0] <= chunk_size:
+        return fn(*per_readout, *shared)
     parts = []
-    for start in range(0, hidden.shape[0], chunk_size):
-        h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
+    for start in range(0, per_readout[0].shape[0], chunk_size):
+        part = [None if x is None else x[start : start + chunk_size] for x in per_readout]
         if torch.is_grad_enabled():
             # recompute this block's logits in backward instead of keeping every block alive
-            parts.append(checkpoint(_chunk_log_probs, h, t, weight, bias, use_reentrant=False))
+            parts.append(checkpoint(fn, *part, *shared, use_reentrant=False))
         else:
-            parts.append(_chunk_log_probs(h, t, weight, bias))
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            parts.append(fn(*part, *shared))
+    return tuple(None if first is None else torch.cat([p[i] for p in parts]) for i, first in enumerate(parts[0]))
 
 
 def token_log_probs(

@@ -94,10 +94,36 @@ def kl_kinds() -> tuple[str, ...]:
 
 
 def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
-    """Exact KL(pi || pi_ref) over the vocabulary per position: ``(N, V), (N, V) -> (N,)``."""
-    logp = torch.log_softmax(logits.float(), -1)
-    logq = torch.log_softmax(ref_logits.float(), -1)
+    """Exact KL(pi || pi_ref) over the vocabulary per position: ``(N, V), (N, V) -> (N,)``. The actor applies
+    it (``token_stats``) to one chunk of readouts at a time (roles.py): no ``(B, T, V)`` tensor is ever made."""
+    return _kl(torch.log_softmax(logits.float(), -1), torch.log_softmax(ref_logits.float(), -1))
+
+
+def _kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     return (logp.exp() * (logp - logq)).sum(-1)
+
+
+def token_stats(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    ref_logits: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """From fp32 logits ``(n, V)`` (temperature applied) of readouts with ``targets`` ``(n,)``: the targets'
+    log-probs, with ``with_entropy`` the entropies ``-sum p log p`` (differentiable only with
+    ``entropy_grad``, else a statistic: nothing of theirs is kept for backward), and with ``ref_logits`` the
+    exact ``full_kl`` to them (no gradient); each ``(n,)`` or None."""
+    logp = torch.log_softmax(logits, -1)
+    out = logp.gather(-1, targets[:, None]).squeeze(-1)
+    entropy = kl = None
+    if with_entropy:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+            entropy = -(logp.exp() * logp).sum(-1)
+    if ref_logits is not None:
+        with torch.no_grad():
+            kl = _kl(logp, torch.log_softmax(ref_logits.float(), -1))
+    return out, entropy, kl
 
 
 # --- KL coefficient controllers ---------------------------------------------------------------------

@@ -29,15 +29,19 @@ def token_readouts(samples: Samples, idx: list[int]) -> list:
     return examples
 
 
-def scatter_tokens(values: torch.Tensor, batch, lengths: list[int], T: int) -> torch.Tensor:
-    """Flat readout values ``(N, ...)`` (example order within rows) -> ``(B, T, ...)`` right-padded."""
-    out = values.new_zeros(len(lengths), T, *values.shape[1:])
+def readout_tokens(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(N,)`` sample (its position in ``idx`` of ``token_readouts``) and response token of each readout."""
     example = batch.records[batch.readout_example]  # sample index of each readout
     # An example's readouts are contiguous and in token order: token index = rank within its run.
     _, counts = torch.unique_consecutive(batch.readout_example, return_counts=True)
     run_start = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-    token = torch.arange(len(example), device=example.device) - run_start
-    out[example, token] = values
+    return example, torch.arange(len(example), device=example.device) - run_start
+
+
+def scatter_tokens(values: torch.Tensor, batch, lengths: list[int], T: int) -> torch.Tensor:
+    """Flat readout values ``(N, ...)`` (example order within rows) -> ``(B, T, ...)`` right-padded."""
+    out = values.new_zeros(len(lengths), T, *values.shape[1:])
+    out[readout_tokens(batch)] = values
     return out
 
 

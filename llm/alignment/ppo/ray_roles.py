@@ -180,8 +180,10 @@ def _death_among(ray, refs: list, grace: float):
 
 
 # The forward calls: their first argument is the batch (``Samples``; ``generate``: the prompts' ids), and a
-# group splits it over its ranks.
+# group splits it over its ranks, with the per-sample tensors among their keyword arguments (first dimension:
+# the samples; ``log_probs(ref_hidden=...)``: the reference's hidden states for the actor's exact KL).
 SPLIT = ("generate", "log_probs", "values", "score")
+PER_SAMPLE = ("ref_hidden",)
 
 
 def _concat(parts: list):
@@ -242,6 +244,9 @@ class RemoteRole:
             idx = share(len(batch), rank, world) or range(1)
             part = [batch[i] for i in idx] if isinstance(batch, list) else batch.select(list(idx))
             kw = dict(kwargs)
+            for name in PER_SAMPLE:
+                if kw.get(name) is not None:
+                    kw[name] = kw[name][list(idx)]
             if method == "generate" and kw.get("seed") is not None:
                 kw["seed"] = kw["seed"] * world + rank
             refs.append(worker.call.remote(self.name, method, part, *rest, **kw))

@@ -20,12 +20,14 @@ by the first rank.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from llm.alignment.lm import READOUT_CHUNK, chunked, full_weight
 from llm.alignment.ppo import generation
-from llm.alignment.ppo.algorithm import kl_estimate, policy_loss, value_loss
-from llm.alignment.ppo.engine import per_token
+from llm.alignment.ppo.algorithm import kl_estimate, policy_loss, token_stats, value_loss
+from llm.alignment.ppo.engine import per_token, readout_tokens
 from llm.alignment.ppo.fsdp import FULL, GATHER, head_linear
 from llm.alignment.ppo.optim import TrainableRole
 from llm.alignment.ppo.records import PolicyBatch, Samples, UpdateStats, ValueBatch
@@ -36,6 +38,9 @@ class PolicyModel:
     """A causal LM as reference or rollout copy: sampling and per-token log-probs at ``temperature``."""
 
     samples_seen = 0  # samples this process ran forwards over (a rank of a group: its slices only)
+    engine = None  # a vLLM engine that generates instead of ``generate`` on the model (vllm_rollout.py)
+    readout_chunk = READOUT_CHUNK  # readouts per LM-head block (log-probs, entropies, exact KL)
+    ref_head = None  # the reference's (weight, bias, temperature), for the exact KL (take_reference_head)
 
     def __init__(
         self,
@@ -82,40 +87,70 @@ class PolicyModel:
             gather_for_generation=self.gather_for_generation,
         )
 
-    def log_probs(self, samples: Samples, with_logits: bool = False):
-        """Per-token log-probs ``(B, T)`` of the responses (no gradient, CPU); with ``with_logits`` also
-        the temperature-scaled logits ``(B, T, V)`` at those positions (for the exact "full" KL)."""
+    def log_probs(self, samples: Samples, with_hidden: bool = False, ref_hidden: torch.Tensor | None = None):
+        """Per-token log-probs ``(B, T)`` of the responses (no gradient, CPU). With ``with_hidden`` also the
+        final hidden states ``(B, T, H)`` they were read from (a reference's, for the actor's exact KL); with
+        ``ref_hidden`` (those of the same samples) also the exact KL(pi || pi_ref) ``(B, T)``, computed chunk
+        by chunk with the reference's LM head (``take_reference_head``)."""
         self.samples_seen += len(samples)
         with torch.no_grad():
-            out = self._log_probs(samples, list(range(len(samples))), with_logits=with_logits)
-        return tuple(x.cpu() for x in out) if with_logits else out.cpu()
+            out = self._log_probs(samples, list(range(len(samples))), with_hidden=with_hidden, ref_hidden=ref_hidden)
+        return tuple(x.cpu() for x in out) if isinstance(out, tuple) else out.cpu()
+
+    def lm_head(self, on_cpu: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+        """This model's LM head as ``(weight, bias, temperature)``, whole (FSDP2: gathered on every rank), for
+        the actor's exact KL: in one process the model's own (frozen) tensors, no copy; ``on_cpu`` (a Ray
+        worker answering another process) a CPU copy."""
+        head = self.model.get_output_embeddings()
+        with torch.no_grad():
+            weight, bias = (None if t is None else full_weight(t).detach() for t in (head.weight, head.bias))
+        if on_cpu:
+            weight, bias = (None if t is None else t.cpu() for t in (weight, bias))
+        return weight, bias, self.temperature
+
+    def take_reference_head(self, head: tuple[torch.Tensor, torch.Tensor | None, float]) -> None:
+        """Hold the reference's ``lm_head()`` (on this model's device) for ``log_probs(ref_hidden=...)``."""
+        weight, bias, temperature = head
+        device = self.model.device
+        self.ref_head = (weight.to(device), None if bias is None else bias.to(device), temperature)
 
     def _log_probs(
         self,
         samples: Samples,
         idx: list[int],
         with_entropy: bool = False,
-        with_logits: bool = False,
         entropy_grad: bool = False,
+        with_hidden: bool = False,
+        ref_hidden: torch.Tensor | None = None,
     ):
-        """Per-token log-probs ``(b, T)`` of the responses of samples ``idx`` on the model's device (and
-        entropies / logits ``(b, T, V)``); differentiable unless the caller disables gradients. The
-        entropies are differentiable only with ``entropy_grad`` (an entropy bonus); otherwise they are a
-        statistic and their ``(b, T, V)`` intermediates are not kept for backward."""
+        """Per-token log-probs ``(b, T)`` of the responses of samples ``idx`` on the model's device, then as
+        asked the entropies ``(b, T)``, the hidden states ``(b, T, H)`` and, with the reference's hidden
+        states ``ref_hidden`` of samples ``idx``, the exact KL ``(b, T)`` (no gradient); differentiable
+        unless the caller disables gradients. The entropies are differentiable only with ``entropy_grad``
+        (an entropy bonus); otherwise they are a statistic and keep nothing for backward.
+
+        The LM head runs on ``readout_chunk`` readouts at a time (``lm.chunked``; checkpointed under
+        autograd): no ``(tokens, vocab)`` block larger than one chunk exists, forward or backward."""
         lm_head = self.model.get_output_embeddings()
+        ref_w, ref_b, ref_t = self.ref_head if ref_hidden is not None else (None, None, 1.0)
 
-        def head(hidden):
-            return head_linear(lm_head, hidden).float() / self.temperature
+        def head(hidden):  # runs on spare rows too: the gather of a sharded head is a collective
+            return hidden, full_weight(lm_head.weight), full_weight(lm_head.bias)
 
-        def read(logits, batch):
-            logp = torch.log_softmax(logits, -1)
-            out = [logp.gather(-1, batch.readout_target[:, None]).squeeze(-1)]
-            if with_entropy:
-                with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
-                    out.append(-(logp.exp() * logp).sum(-1))
-            if with_logits:
-                out.append(logits.detach())
-            return out
+        def chunk(h, targets, ref_h, weight, bias):
+            logits = F.linear(h.to(weight.dtype), weight, bias).float() / self.temperature  # as fsdp.head_linear
+            ref_logits = None if ref_h is None else F.linear(ref_h.to(ref_w.dtype), ref_w, ref_b).float() / ref_t
+            return token_stats(logits, targets, with_entropy, entropy_grad, ref_logits)
+
+        def read(out, batch):
+            hidden, weight, bias = out
+            ref_h = None
+            if ref_hidden is not None:  # this row's readouts of the reference's (B, T, H) (on the CPU)
+                ref_h = ref_hidden[tuple(i.cpu() for i in readout_tokens(batch))].to(hidden.device)
+            per_readout = (hidden, batch.readout_target, ref_h)
+            logp, entropy, kl = chunked(chunk, per_readout, (weight, bias), self.readout_chunk)
+            asked = ((logp, True), (entropy, with_entropy), (hidden, with_hidden), (kl, ref_h is not None))
+            return [x for x, wanted in asked if wanted]
 
         out = per_token(self.model, samples, idx, self.micro_batch_size, self.tokenizer.pad_token_id, True, head, read)
         return tuple(out) if len(out) > 1 else out[0]

@@ -26,7 +26,6 @@ from llm.alignment.ppo.algorithm import (
     ADV_ESTIMATORS,
     KL_CONTROLLERS,
     RunningMoments,
-    full_kl,
     kl_estimate,
     masked_mean,
     masked_whiten,
@@ -92,6 +91,7 @@ class PPOTrainer:
         self.c, self.prompts, self.tokenizer = config, prompts, tokenizer
         self.actor, self.ref, self.critic, self.reward = actor, ref, critic, reward
         self.rollout_copy = rollout_copy
+        self.ref_head_given = False  # the actor holds the reference's LM head (kl_penalty "full")
         self.last_checkpoint: str | None = None
         self.kl_ctl = KL_CONTROLLERS[config.algorithm.kl_ctrl.type](config.algorithm.kl_ctrl)
         self.moments = RunningMoments()
@@ -179,27 +179,29 @@ class PPOTrainer:
         full = alg.kl_penalty == "full" and self.ref is not None
 
         def actor():
-            if full:
-                return self.actor.log_probs(samples, with_logits=True)
             return self.actor.log_probs(samples) if rollout_logprobs is None else rollout_logprobs
 
         def ref():
-            return self.ref.log_probs(samples, with_logits=full) if self.ref is not None else None
+            return self.ref.log_probs(samples) if self.ref is not None else None
 
         def critic():
             return self.critic.values(samples) if self.critic is not None else None
 
-        actor_out, ref_out, values, out = self.together(
-            (self.actor, actor),
-            (self.ref, ref),
-            (self.critic, critic),
-            (self.reward, lambda: self.reward.score(samples)),
-        )
-        if full:
-            (logprobs, actor_logits), (ref_logprobs, ref_logits) = actor_out, ref_out
-            kl = full_kl(actor_logits, ref_logits)
+        def actor_after_ref():
+            # The exact KL, never a (B, T, V) tensor: the reference returns its final hidden states (B, T, H)
+            # and the actor reads them chunk by chunk with the reference's LM head, which it holds (frozen;
+            # sent once: in one process the reference's own tensors, from Ray workers a copy).
+            if not self.ref_head_given:
+                self.actor.take_reference_head(self.ref.lm_head(on_cpu=self.c.resource_pool.use_ray))
+                self.ref_head_given = True
+            ref_logprobs, ref_hidden = self.ref.log_probs(samples, with_hidden=True)
+            return (*self.actor.log_probs(samples, ref_hidden=ref_hidden), ref_logprobs)
+
+        rest = ((self.critic, critic), (self.reward, lambda: self.reward.score(samples)))
+        if full:  # the actor's call waits for the reference's: one lane
+            (logprobs, kl, ref_logprobs), values, out = self.together((self.ref, actor_after_ref), *rest)
         else:
-            logprobs, ref_logprobs = actor_out, ref_out
+            logprobs, ref_logprobs, values, out = self.together((self.actor, actor), (self.ref, ref), *rest)
             kl = kl_estimate(logprobs, ref_logprobs, alg.kl_penalty) if ref_logprobs is not None else 0 * logprobs
         raw = out.scores.clone()
         scores = shape_scores(
