@@ -81,20 +81,49 @@ def lora_alpha(model_args) -> float:
     return float(model_args.lora_alpha)
 
 
+def check_lora_fields(args, prefix: str = "") -> None:
+    """The checks of the LoRA fields every trainer shares (the flat ``ModelArgument``, PPO's actor and critic
+    sections): a LoRA-only field set without ``lora``, rank / alpha / dropout / targets, ``lora_path`` (resolved
+    in place). Only the fields ``args`` has are read; ``prefix`` names its section in the messages."""
+    if not args.lora:
+        changed = [prefix + name for name, default in _LORA_ONLY.items() if getattr(args, name, default) != default]
+        if changed:
+            raise UserError(
+                f"{', '.join(changed)} only take(s) effect with lora: set {prefix}lora true, or remove them"
+            )
+        return
+    if args.lora_rank <= 0:
+        raise UserError(f"{prefix}lora_rank must be > 0, got {args.lora_rank}")
+    if args.lora_alpha != -1 and args.lora_alpha <= 0:
+        raise UserError(f"{prefix}lora_alpha must be > 0 (or -1: 2 * lora_rank), got {args.lora_alpha}")
+    if not 0 <= args.lora_dropout < 1:
+        raise UserError(f"{prefix}lora_dropout must be in [0, 1), got {args.lora_dropout}")
+    target_list(args)
+    if args.lora_path is not None:
+        found = resolve_input_path(args.lora_path)
+        if found is None or not os.path.isfile(os.path.join(found, ADAPTER_CONFIG)):
+            raise UserError(
+                f"{prefix}lora_path {args.lora_path!r}: no PEFT adapter there (no {ADAPTER_CONFIG}; looked in: "
+                f"{tried(args.lora_path)}); give the output_dir of a LoRA run"
+            )
+        args.lora_path = found
+        shaped = [
+            prefix + n
+            for n in ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "rslora", "lora_train_head")
+            if getattr(args, n, _LORA_ONLY[n]) != _LORA_ONLY[n]
+        ]
+        if shaped:
+            raise UserError(
+                f"{prefix}lora_path continues the adapter saved in {found} with its own rank, alpha, targets and "
+                f"head: remove {', '.join(shaped)}"
+            )
+
+
 def check_lora_arguments(model_args, training_args) -> None:
     """Start-up checks of the LoRA fields (before anything is loaded); every problem names the field and the fix."""
+    check_lora_fields(model_args)
     if not model_args.lora:
-        changed = [name for name, default in _LORA_ONLY.items() if getattr(model_args, name) != default]
-        if changed:
-            raise UserError(f"{', '.join(changed)} only take(s) effect with lora: set lora true, or remove them")
         return
-    if model_args.lora_rank <= 0:
-        raise UserError(f"lora_rank must be > 0, got {model_args.lora_rank}")
-    if model_args.lora_alpha != -1 and model_args.lora_alpha <= 0:
-        raise UserError(f"lora_alpha must be > 0 (or -1: 2 * lora_rank), got {model_args.lora_alpha}")
-    if not 0 <= model_args.lora_dropout < 1:
-        raise UserError(f"lora_dropout must be in [0, 1), got {model_args.lora_dropout}")
-    target_list(model_args)
     layout = training_args.layout
     if layout.native:
         raise UserError(
@@ -102,24 +131,6 @@ def check_lora_arguments(model_args, training_args) -> None:
             "this build (transformers places the base model, peft's adapters are not placed with it). Train LoRA "
             "data parallel (torchrun without sharding / tensor_parallel_degree), or set lora false"
         )
-    if model_args.lora_path is not None:
-        found = resolve_input_path(model_args.lora_path)
-        if found is None or not os.path.isfile(os.path.join(found, ADAPTER_CONFIG)):
-            raise UserError(
-                f"lora_path {model_args.lora_path!r}: no PEFT adapter there (no {ADAPTER_CONFIG}; looked in: "
-                f"{tried(model_args.lora_path)}); give the output_dir of a LoRA run"
-            )
-        model_args.lora_path = found
-        shaped = [
-            n
-            for n in ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "rslora", "lora_train_head")
-            if getattr(model_args, n) != _LORA_ONLY[n]
-        ]
-        if shaped:
-            raise UserError(
-                f"lora_path continues the adapter saved in {found} with its own rank, alpha, targets and head: "
-                f"remove {', '.join(shaped)}"
-            )
     algo = model_args.weight_quantize_algo
     if algo is None:
         if model_args.weight_double_quant:
@@ -195,7 +206,7 @@ def apply_lora(model, model_args, task: str, head_rows: list[int] | None = None)
     ``head_rows``: a PRM's reward-token ids, the rows of the LM head trained with ``lora_train_head``."""
     from peft import LoraConfig, PeftModel, TaskType, get_peft_model, prepare_model_for_kbit_training
 
-    if model_args.weight_quantize_algo is not None:
+    if getattr(model_args, "weight_quantize_algo", None) is not None:
         # norms and head in fp32, input gradients on (peft's QLoRA preparation)
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if model_args.lora_path is not None:
@@ -209,7 +220,7 @@ def apply_lora(model, model_args, task: str, head_rows: list[int] | None = None)
         targets = target_list(model_args)
         _check_targets(model, targets, head_names)
         modules_to_save, token_rows = None, None
-        if model_args.lora_train_head and task == "causal_lm":
+        if getattr(model_args, "lora_train_head", False) and task == "causal_lm":
             if getattr(model.config, "tie_word_embeddings", False):
                 raise UserError(
                     "lora_train_head: this model ties its LM head to the input embeddings, so training the head "
@@ -269,3 +280,45 @@ def save_merged(model, output_dir: str, tokenizer=None) -> str:
     del merged
     logger.info("LoRA: merged model written to %s", directory)
     return directory
+
+
+def merged_state_dict(model) -> dict[str, torch.Tensor]:
+    """The weights of the peft ``model`` with its active adapters merged in, on the CPU under the base model's plain
+    Hugging Face names (what ``merge_and_unload().state_dict()`` holds), computed beside the model with peft's merge
+    math (``W + get_delta_weight``): the trained model is not touched (no merge / unmerge rounding of its base)."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils.other import ModulesToSaveWrapper
+
+    base = model.get_base_model()
+    layers, wrappers = {}, {}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer):
+            layers[name] = module
+        elif isinstance(module, ModulesToSaveWrapper):
+            wrappers[name] = module
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for key, value in base.state_dict().items():
+            owner, _, rest = key.rpartition(".")
+            while owner and owner not in layers and owner not in wrappers:
+                owner, _, part = owner.rpartition(".")
+                rest = f"{part}.{rest}"
+            if owner in layers:
+                if not rest.startswith("base_layer."):
+                    continue  # lora_A / lora_B / ...: merged into the weight below
+                rest = rest.removeprefix("base_layer.")
+                layer = layers[owner]
+                if rest == "weight" and not layer.merged and not layer.disable_adapters:
+                    deltas = [layer.get_delta_weight(a) for a in layer.active_adapters if a in layer.lora_A]
+                    value = (value.float() + sum(d.float() for d in deltas)).to(value.dtype) if deltas else value
+            elif owner in wrappers:
+                wrapper = wrappers[owner]
+                active = (
+                    wrapper.active_adapters[0] if wrapper.active_adapters and not wrapper.disable_adapters else None
+                )
+                keep = f"modules_to_save.{active}." if active is not None else "original_module."
+                if not rest.startswith(keep):
+                    continue
+                rest = rest.removeprefix(keep)
+            out[f"{owner}.{rest}" if owner else rest] = value.detach().to("cpu", copy=True)
+    return out

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from llm.alignment.ppo.loading import Place, actor_tokenizer, load, offload_idle, optimizer_for
+from llm.alignment.ppo.lora import ActorBase, shares_actor_base, with_lora
 from llm.alignment.ppo.prompts import Prompt, prompts_from_records
 from llm.alignment.ppo.rewards import ORMReward, RewardFunction, reward_type, same_vocabulary
 from llm.alignment.ppo.roles import ActorRole, CriticRole, PolicyModel
@@ -54,14 +55,21 @@ def value_update(c: PPOConfig) -> ValueUpdate:
 def build_actor(c: PPOConfig, place: Place) -> ActorRole:
     a, tok = c.actor_rollout, actor_tokenizer(c)
     model = load(c, AutoModelForCausalLM, a.model_name_or_path, a.init_from_config, tok, place, True)
+    model = with_lora(c, "actor_rollout", model)
     micro = c.micro("actor_rollout")
     optim = optimizer_for(c, model, "actor_rollout", place)
-    return ActorRole(model, tok, a.temperature, micro, optim, policy_update(c), a.gather_weights_for_generation)
+    actor = ActorRole(model, tok, a.temperature, micro, optim, policy_update(c), a.gather_weights_for_generation)
+    return actor
 
 
-def build_ref(c: PPOConfig, place: Place) -> PolicyModel:
-    """The frozen SFT model: the actor's own checkpoint (or seeded config) unless ``ref`` names another."""
+def build_ref(c: PPOConfig, place: Place, roles: dict | None = None) -> PolicyModel:
+    """The frozen SFT model: the actor's own checkpoint (or seeded config) unless ``ref`` names another. A LoRA
+    actor's own base is the actor's model with the adapter disabled (lora.py), found in ``roles`` (this
+    process's roles by name, the actor's among them by the time a call comes)."""
     a, tok = c.actor_rollout, actor_tokenizer(c)
+    if shares_actor_base(c):
+        logger.info("ref: the LoRA actor's own model with the adapter disabled (no second copy)")
+        return ActorBase({} if roles is None else roles, tok, a.temperature, c.micro("ref"))
     path = c.ref.model_name_or_path or a.model_name_or_path
     from_config = a.init_from_config if path == a.model_name_or_path else c.ref.init_from_config
     model = load(c, AutoModelForCausalLM, path, from_config, tok, place, False, c.ref.dtype)
@@ -103,6 +111,7 @@ def build_critic(c: PPOConfig, place: Place) -> CriticRole:
             )
         path, from_config = c.actor_rollout.model_name_or_path, c.actor_rollout.init_from_config
     model = load(c, AutoModelForSequenceClassification, path, from_config, tok, place, True, num_labels=1)
+    model = with_lora(c, "critic", model)
     return CriticRole(model, tok, c.micro("critic"), optimizer_for(c, model, "critic", place), value_update(c))
 
 
@@ -128,8 +137,10 @@ def role_names(c: PPOConfig) -> list[str]:
 IN_PROCESS = Place()  # the default place: this process, on the CPU
 
 
-def build_role(c: PPOConfig, name: str, place: Place = IN_PROCESS):
-    role = BUILDERS[name](c, place)
+def build_role(c: PPOConfig, name: str, place: Place = IN_PROCESS, built: dict | None = None):
+    """Role ``name`` on ``place``; ``built``: the roles of this process by name (a LoRA actor's reference
+    reads the actor's model from there)."""
+    role = BUILDERS[name](c, place, built) if name == "ref" else BUILDERS[name](c, place)
     logger.info("built role %s (%s) on %s", name, type(role).__name__, place)
     return role
 
@@ -138,7 +149,10 @@ def build_role(c: PPOConfig, name: str, place: Place = IN_PROCESS):
 def placed_roles(c: PPOConfig) -> Iterator[dict]:
     """The roles by name: built here by default, or Ray proxies (ended, with their actors, on exit)."""
     if not c.resource_pool.use_ray:
-        yield {name: build_role(c, name) for name in role_names(c)}
+        roles: dict = {}
+        for name in role_names(c):
+            roles[name] = build_role(c, name, IN_PROCESS, roles)
+        yield roles
         return
     from llm.alignment.ppo.ray_roles import ray_roles  # Ray only when the config asks for it
 
@@ -170,22 +184,28 @@ def build_from_models(
     ``critic`` (trained) a sequence-classification model with one label, ``reward`` an ORM (a
     sequence-classification model read at the last response token) of ``reward_tokenizer`` (default
     ``tok``); the config gives every setting (micro-batch sizes, optimizer, algorithm), not the models.
-    ``ref`` and ``reward`` are put in eval mode."""
+    ``ref`` and ``reward`` are put in eval mode. ``ref`` None with a peft ``policy``: the policy's own base
+    with the adapter disabled (lora.py's ``ActorBase``)."""
     a, micro, place = c.actor_rollout, c.micro, Place()
+    actor = ActorRole(
+        policy,
+        tok,
+        a.temperature,
+        micro("actor_rollout"),
+        optimizer_for(c, policy, "actor_rollout", place),
+        policy_update(c),
+    )
+    if ref is None:
+        ref_role = ActorBase({"actor_rollout": actor}, tok, a.temperature, micro("ref"))
+    else:
+        ref_role = PolicyModel(ref.eval(), tok, a.temperature, micro("ref"))
     return PPOTrainer(
         c,
         prompts,
         tok,
-        ActorRole(
-            policy,
-            tok,
-            a.temperature,
-            micro("actor_rollout"),
-            optimizer_for(c, policy, "actor_rollout", place),
-            policy_update(c),
-        ),
+        actor,
         ORMReward(reward.eval(), reward_tokenizer or tok, tok, micro("reward")),
-        PolicyModel(ref.eval(), tok, a.temperature, micro("ref")),
+        ref_role,
         CriticRole(critic, tok, micro("critic"), optimizer_for(c, critic, "critic", place), value_update(c)),
     )
 
@@ -200,7 +220,7 @@ def build_ppo(c: PPOConfig, prompts: list[Prompt], roles: dict) -> PPOTrainer:
         c.reward.type,
         c.algorithm.adv_estimator,
     )
-    return PPOTrainer(
+    trainer = PPOTrainer(
         c,
         prompts,
         actor_tokenizer(c),
@@ -210,3 +230,6 @@ def build_ppo(c: PPOConfig, prompts: list[Prompt], roles: dict) -> PPOTrainer:
         roles.get("critic"),
         roles.get("rollout"),
     )
+    if trainer.rollout_copy is not None and c.actor_rollout.lora_path:
+        trainer.rollout_copy.sync_from(trainer.actor)  # the copy loaded the base: send it base + the loaded adapter
+    return trainer

@@ -2,7 +2,9 @@
 optimizer + LR schedule state beside it as ``optimizer.json`` (param_groups, scheduler, ...) and
 ``optimizer.safetensors`` (moments, fp32 masters): nothing pickled. The optimizer state is keyed by
 parameter name, so it loads under any FSDP2 group size and into either optimizer kind (optim.py,
-offload.py)."""
+offload.py). A LoRA role (peft) saves its adapter instead of the model (``adapter_config.json`` +
+``adapter_model.safetensors``, which ``PeftModel.from_pretrained`` loads) and its optimizer state covers the
+adapters (and head) only: on resume the frozen base is read again from ``model_name_or_path``."""
 
 from __future__ import annotations
 
@@ -14,17 +16,24 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict
 from llm.alignment.ppo.fsdp import FULL, first_rank
 from llm.utils.checkpoints import load_tree, read_safetensors, save_tree
 from llm.utils.errors import UserError
+from llm.utils.lora import is_peft_model, save_merged
 
 OPTIMIZER_STATE = "optimizer"
 OPTIMIZER_FILE = "optimizer.safetensors"
+ADAPTER_FILE = "adapter_model.safetensors"
 
 __all__ = ["OPTIMIZER_FILE", "OPTIMIZER_STATE", "load_optimizer_state", "load_weights", "read_safetensors", "save"]
 
 
-def save(directory: str, model, tokenizer, scheduler, optimizer_state: Callable[[], dict] | None) -> None:
+def save(
+    directory: str, model, tokenizer, scheduler, optimizer_state: Callable[[], dict] | None, merged: bool = False
+) -> None:
     """``model`` (+ ``tokenizer``) in ``directory``; with ``optimizer_state`` (a checkpoint) also that state and
-    the scheduler's. Every rank of an FSDP2 group calls this (the gathers are collective); the first writes."""
+    the scheduler's; with ``merged`` (a LoRA role's ``lora_merge``) also ``directory/merged``, the base with the
+    adapter merged in. Every rank of an FSDP2 group calls this (the gathers are collective); the first writes."""
     model.save_pretrained(directory)
+    if merged and is_peft_model(model) and first_rank():
+        save_merged(model, directory, tokenizer)
     optimizer = optimizer_state() if optimizer_state is not None else None
     if not first_rank():
         return
@@ -35,8 +44,31 @@ def save(directory: str, model, tokenizer, scheduler, optimizer_state: Callable[
 
 def load_weights(model, directory: str) -> None:
     """The saved full weights into ``model``, strictly (every parameter, no stray key); each FSDP2 rank keeps
-    its shard. Tied weights (an LM head sharing the embedding) are saved once and loaded so."""
+    its shard. Tied weights (an LM head sharing the embedding) are saved once and loaded so. A LoRA model gets
+    the saved adapter (and head) back, strictly too; its base stays as loaded."""
+    if is_peft_model(model):
+        _load_adapter(model, directory)
+        return
     set_model_state_dict(model, read_safetensors(os.path.join(directory, "model.safetensors")), options=FULL)
+
+
+def _load_adapter(model, directory: str) -> None:
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    path = os.path.join(directory, ADAPTER_FILE)
+    if not os.path.isfile(path):
+        raise UserError(
+            f"{directory}: no {ADAPTER_FILE}: this run trains LoRA adapters (lora true) but the checkpoint holds "
+            "no adapter (a full fine-tuning run's?); resume with the lora settings it was saved with"
+        )
+    state = read_safetensors(path)
+    missing = sorted(set(get_peft_model_state_dict(model)) - set(state))
+    unexpected = list(set_peft_model_state_dict(model, state).unexpected_keys)
+    if unexpected or missing:
+        raise UserError(
+            f"{path}: the adapter does not fit this run's model (unexpected {unexpected[:3]}, missing "
+            f"{missing[:3]}); resume with the lora settings (rank, targets) it was saved with"
+        )
 
 
 def load_optimizer_state(directory: str) -> dict:

@@ -25,6 +25,7 @@ from typing import Any
 
 from llm.alignment.ppo import mindspeed
 from llm.alignment.ppo.algorithm import ADV_ESTIMATORS, KL_CONTROLLERS, kl_kinds
+from llm.alignment.ppo.lora import validate_lora
 from llm.alignment.ppo.rewards import PRM_AGGREGATIONS, model_types, reward_type
 from llm.alignment.ppo.sections import (  # noqa: F401 - the schema, importable from here too
     ROLES,
@@ -248,6 +249,7 @@ def validate_ppo_config(c: PPOConfig, path: str) -> None:
         )
     validate_memory(c, path)
     validate_resource_pool(c.resource_pool, path)
+    validate_lora(c, path)
 
 
 FROZEN_DTYPES = ("float32", "bfloat16")

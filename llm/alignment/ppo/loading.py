@@ -97,7 +97,7 @@ def optimizer_for(c: PPOConfig, model, role: str, place: Place) -> TrainableRole
         else:
             logger.info("training.adam_offload: %s keeps its AdamW state (fp32 master + moments) on the host", role)
             cls = OffloadedTrainableRole
-    return cls(
+    optim = cls(
         model,
         c.lr(role),
         c.optim(role, "weight_decay"),
@@ -106,6 +106,8 @@ def optimizer_for(c: PPOConfig, model, role: str, place: Place) -> TrainableRole
         c.optim(role, "max_grad_norm"),
         c.optim(role, "lr_warmup_steps"),
     )
+    optim.lora_merge = getattr(c, role).lora_merge
+    return optim
 
 
 def offload_idle(c: PPOConfig, role, model, name: str, place: Place, methods: tuple[str, ...]):

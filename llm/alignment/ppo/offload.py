@@ -20,7 +20,7 @@ import logging
 import torch
 from torch.distributed.tensor import DTensor
 
-from llm.alignment.ppo.optim import TrainableRole, warmup_schedule
+from llm.alignment.ppo.optim import TrainableRole, trainable, warmup_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +95,7 @@ class OffloadedTrainableRole(TrainableRole):
     def __init__(self, model, lr, weight_decay, betas, eps, max_grad_norm, warmup_steps, host=HOST) -> None:
         super().__init__(model, lr, weight_decay, betas, eps, max_grad_norm, warmup_steps)
         # Replaces the plain AdamW before its first step, so no device state was ever allocated.
-        self.optimizer = HostAdamW(
-            model.parameters(), host=host, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
-        )
+        self.optimizer = HostAdamW(trainable(model), host=host, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.scheduler = warmup_schedule(self.optimizer, warmup_steps)
 
     def _names(self) -> dict[int, str]:

@@ -15,6 +15,11 @@ from llm.alignment.ppo.fsdp import FULL, GATHER
 from llm.utils.precision import MasterWeightAdamW
 
 
+def trainable(model) -> list[torch.Tensor]:
+    """The parameters an optimizer steps: all of a fully trained model, the adapters (and head) of a LoRA one."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
 def warmup_schedule(optimizer, warmup_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda n: min(1.0, (n + 1) / warmup_steps) if warmup_steps else 1.0
@@ -35,9 +40,10 @@ class TrainableRole:
         warmup_steps: int,
     ) -> None:
         self.model = model
-        self.optimizer = MasterWeightAdamW(model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.optimizer = MasterWeightAdamW(trainable(model), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.scheduler = warmup_schedule(self.optimizer, warmup_steps)
         self.max_grad_norm = max_grad_norm
+        self.lora_merge = False  # a LoRA role's final save also writes the merged model (lora_merge)
 
     def step(self) -> float:
         norm = 0.0
@@ -58,9 +64,9 @@ class TrainableRole:
 
     def save(self, directory: str, tokenizer: PreTrainedTokenizerBase, with_optimizer: bool) -> None:
         """The model in Hugging Face format (+ tokenizer); the optimizer state beside it for a checkpoint."""
-        checkpoint.save(
-            directory, self.model, tokenizer, self.scheduler, self.optimizer_state if with_optimizer else None
-        )
+        state = self.optimizer_state if with_optimizer else None
+        merged = self.lora_merge and not with_optimizer  # the final save, not a checkpoint
+        checkpoint.save(directory, self.model, tokenizer, self.scheduler, state, merged)
 
     def load(self, directory: str) -> None:
         checkpoint.load_weights(self.model, directory)

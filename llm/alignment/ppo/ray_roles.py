@@ -117,7 +117,7 @@ class RoleWorker:
             dist.init_process_group(backend(), init_method=init, rank=rank, world_size=world)
             layout = Layout(world, shard=world, stage=3)
         for name in names:
-            self.roles[name] = self.build_role(self.config, name, Place(device, layout))
+            self.roles[name] = self.build_role(self.config, name, Place(device, layout), self.roles)
         return os.getpid(), socket.gethostname()
 
     def call(self, role: str, method: str, *args, **kwargs):

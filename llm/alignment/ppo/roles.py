@@ -32,6 +32,7 @@ from llm.alignment.ppo.fsdp import FULL, GATHER, head_linear
 from llm.alignment.ppo.optim import TrainableRole
 from llm.alignment.ppo.records import PolicyBatch, Samples, UpdateStats, ValueBatch
 from llm.alignment.ppo.update import PolicyUpdate, ValueUpdate, run_update
+from llm.utils.lora import is_peft_model, merged_state_dict
 
 
 class PolicyModel:
@@ -230,7 +231,10 @@ class ActorRole(PolicyModel):
         return UpdateStats(metrics, [(e, t["policy_loss"]) for e, t in zip(epochs, steps)])
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The current full weights on the CPU, for the rollout copy (FSDP2: gathered; {} on other ranks)."""
+        """The current full weights on the CPU, for the rollout copy (FSDP2: gathered; {} on other ranks). A LoRA
+        actor's are merged (base + adapter) under the plain model's names: the copy is a plain model."""
+        if is_peft_model(self.model):
+            return merged_state_dict(self.model)
         return get_model_state_dict(self.model, options=GATHER)
 
     def save(self, directory: str, with_optimizer: bool) -> None:

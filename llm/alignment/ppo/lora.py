@@ -1,0 +1,108 @@
+"""LoRA in PPO: the actor and the critic train peft adapters (the critic also its ``score`` head) on frozen
+bases, with the flat trainers' fields and checks (``llm.utils.lora``) in their sections (``lora``,
+``lora_rank``, ``lora_alpha``, ``lora_dropout``, ``target_modules``, ``rslora``, ``lora_path``,
+``lora_merge``).
+
+- The reference of a LoRA actor whose ``ref`` names no other model is the actor's own model with the adapter
+  disabled (``ActorBase``, peft's ``disable_adapter``): no second copy of the weights, the ref role builds no
+  model. It must live in the actor's process: in this one by default, or with Ray colocated with the actor
+  (``resource_pool.colocate: [["actor_rollout", "ref"]]``); anything else stops at start-up. With
+  ``lora_path`` the reference is still the base without any adapter, as in the flat DPO.
+- A separate rollout copy receives the merged weights (base + adapter, ``llm.utils.lora.merged_state_dict``)
+  under the plain Hugging Face names: it stays a plain model.
+- Saves: the adapter (``PeftModel.from_pretrained(base, dir)``), and with ``lora_merge`` also ``dir/merged``
+  at the final save; checkpoints hold adapters and their optimizer state only (checkpoint.py).
+- Stops at start-up: a LoRA role sharded over an FSDP2 group (Ray, more than one device), a reference that
+  shares the actor's base but has its own ``dtype`` or ``offload``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from llm.alignment.ppo.roles import PolicyModel
+from llm.utils.errors import UserError
+from llm.utils.lora import apply_lora, check_lora_fields, reference_model
+
+if TYPE_CHECKING:
+    from llm.alignment.ppo.records import Samples
+    from llm.alignment.ppo.sections import PPOConfig
+
+LORA_ROLES = ("actor_rollout", "critic")
+TASKS = {"actor_rollout": "causal_lm", "critic": "seq_cls"}
+
+
+def shares_actor_base(c: PPOConfig) -> bool:
+    """The reference is the LoRA actor's own base (``ref`` names no other model): the adapter disabled."""
+    a = c.actor_rollout
+    return a.lora and c.ref.model_name_or_path in (None, a.model_name_or_path)
+
+
+def with_lora(c: PPOConfig, role: str, model):
+    """``model`` with the adapters of ``role``'s section (peft), or as it is without ``lora``."""
+    section = getattr(c, role)
+    return apply_lora(model, section, TASKS[role]) if section.lora else model
+
+
+def validate_lora(c: PPOConfig, path: str) -> None:
+    """The flat trainers' checks of each trained role's LoRA fields, then what PPO's placement cannot do."""
+    pool = c.resource_pool
+    for role in LORA_ROLES:
+        section = getattr(c, role)
+        try:
+            check_lora_fields(section, prefix=f"{role}.")
+        except UserError as err:
+            raise UserError(f"{path}: {err}") from None
+        if section.lora and pool.use_ray and pool.amount(role) > 1:
+            raise UserError(
+                f"{path}: {role}.lora with resource_pool.{role}={pool.amount(role):g}: a role on more than one device "
+                "is sharded with FSDP2, which is not available for LoRA in this build (peft's adapters are not "
+                f"placed with the sharded base); give {role} one device (or a share of one), or set {role}.lora false"
+            )
+    if not shares_actor_base(c):
+        return
+    for name, value, default in (("dtype", c.ref.dtype, None), ("offload", c.ref.offload, False)):
+        if value != default:
+            raise UserError(
+                f"{path}: ref.{name}: with actor_rollout.lora the reference is the actor's own model with the adapter "
+                "disabled (no model of its own), so it has no dtype or offload of its own; remove ref."
+                f"{name}, or give ref.model_name_or_path to load a separate reference"
+            )
+    if pool.use_ray and not any({"actor_rollout", "ref"} <= set(group) for group in pool.colocate):
+        raise UserError(
+            f"{path}: actor_rollout.lora with resource_pool.use_ray: the reference is the actor's own model with the "
+            'adapter disabled, so it must run in the actor\'s process: add ["actor_rollout", "ref"] to '
+            "resource_pool.colocate (with equal amounts), or give ref.model_name_or_path to load a separate reference"
+        )
+
+
+class ActorBase(PolicyModel):
+    """The reference policy of a LoRA actor: the actor role's own model with its adapter disabled (in eval
+    mode: ``llm.utils.lora.reference_model``), found in ``roles`` (the roles of this process, by name) when a
+    call comes, so the two may be built in either order. No weights of its own."""
+
+    def __init__(self, roles: dict, tokenizer, temperature: float, micro_batch_size: int) -> None:
+        self.roles, self.tokenizer = roles, tokenizer
+        self.temperature, self.micro_batch_size = temperature, micro_batch_size
+        self.gather_for_generation = False
+
+    @property
+    def model(self):
+        actor = self.roles.get("actor_rollout")
+        if actor is None:
+            raise UserError(
+                "ref: the reference of a LoRA actor is the actor's model with the adapter disabled, but no actor "
+                "role was built in this process (with Ray, colocate actor_rollout and ref)"
+            )
+        return actor.model
+
+    def log_probs(self, samples: Samples, *args, **kwargs):
+        """``PolicyModel.log_probs`` (and whatever it returns besides) of the base: the adapter disabled."""
+        with reference_model(self.model):
+            return super().log_probs(samples, *args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        raise UserError("ref: the reference of a LoRA actor does not generate (the actor or its rollout copy does)")
+
+    def load_weights(self, state) -> None:
+        raise UserError("ref: the reference of a LoRA actor is the actor's frozen base: it takes no weights")
