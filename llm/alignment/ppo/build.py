@@ -59,7 +59,17 @@ def build_actor(c: PPOConfig, place: Place) -> ActorRole:
     micro = c.micro("actor_rollout")
     optim = optimizer_for(c, model, "actor_rollout", place)
     actor = ActorRole(model, tok, a.temperature, micro, optim, policy_update(c), a.gather_weights_for_generation)
+    attach_engine(c, actor)
     return actor
+
+
+def attach_engine(c: PPOConfig, actor: ActorRole) -> None:
+    """``rollout_engine: vllm`` without a rollout copy: the engine in the actor's process, with its weights."""
+    if c.actor_rollout.rollout_engine == "vllm" and c.resource_pool.rollout == 0:
+        from llm.alignment.ppo.vllm_rollout import engine_for
+
+        actor.engine = engine_for(c, actor.model, actor.tokenizer, "vLLM engine in the actor's process")
+        actor.sync_engine()
 
 
 def build_ref(c: PPOConfig, place: Place, roles: dict | None = None) -> PolicyModel:
@@ -86,6 +96,12 @@ def build_rollout(c: PPOConfig, place: Place) -> PolicyModel:
     """A generation copy of the actor: the actor's initial weights, then whatever ``sync_from`` sends."""
     a, tok = c.actor_rollout, actor_tokenizer(c)
     model = load(c, AutoModelForCausalLM, a.model_name_or_path, a.init_from_config, tok, place, False)
+    if a.rollout_engine == "vllm":  # the rollout copy is a vLLM engine on its own devices
+        from llm.alignment.ppo.vllm_rollout import engine_for
+
+        engine = engine_for(c, model, tok, "vLLM engine of the rollout copy")
+        engine.load_weights(model.state_dict())
+        return engine
     return PolicyModel(model, tok, a.temperature, c.micro("rollout"), a.gather_weights_for_generation)
 
 
@@ -195,6 +211,7 @@ def build_from_models(
         optimizer_for(c, policy, "actor_rollout", place),
         policy_update(c),
     )
+    attach_engine(c, actor)
     if ref is None:
         ref_role = ActorBase({"actor_rollout": actor}, tok, a.temperature, micro("ref"))
     else:

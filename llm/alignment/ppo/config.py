@@ -250,6 +250,49 @@ def validate_ppo_config(c: PPOConfig, path: str) -> None:
     validate_memory(c, path)
     validate_resource_pool(c.resource_pool, path)
     validate_lora(c, path)
+    validate_rollout_engine(c, path)
+
+
+ROLLOUT_ENGINES = ("hf", "vllm")
+
+
+def validate_rollout_engine(c: PPOConfig, path: str) -> None:
+    """``rollout_engine`` and what vLLM cannot do here."""
+    a, pool = c.actor_rollout, c.resource_pool
+    if a.rollout_is_cap is not None and a.rollout_log_probs:
+        raise UserError(
+            f"{path}: actor_rollout.rollout_is_cap with rollout_log_probs true: the old log-probs would be the "
+            "engine's own, so every weight would be 1; set rollout_log_probs false (the trainer's forward) to "
+            "correct for the engine, or remove rollout_is_cap"
+        )
+    if a.rollout_engine not in ROLLOUT_ENGINES:
+        raise UserError(
+            f"{path}: actor_rollout.rollout_engine must be hf or vllm, got {a.rollout_engine!r} "
+            f"(closest: {closest(str(a.rollout_engine), ROLLOUT_ENGINES)})"
+        )
+    if a.rollout_engine != "vllm":
+        for name, default in (("vllm_gpu_memory_utilization", 0.3), ("vllm_max_model_len", None), ("vllm_sleep", True)):
+            if getattr(a, name) != default:
+                raise UserError(f"{path}: actor_rollout.{name} applies to rollout_engine vllm; rollout_engine is hf")
+        return
+    generating = "rollout" if pool.rollout > 0 else "actor_rollout"
+    if pool.amount(generating) > 1:
+        raise UserError(
+            f"{path}: actor_rollout.rollout_engine vllm with resource_pool.{generating}={pool.amount(generating):g}: "
+            "the engine runs in one process (tensor parallelism inside vLLM is not wired here); give the generating "
+            "role one device (a rollout copy, resource_pool.rollout 1, leaves the actor its FSDP2 group)"
+        )
+    engine_log_probs = "rollout_log_probs" if a.rollout_log_probs else "rollout_is_cap" if a.rollout_is_cap else None
+    if engine_log_probs and (a.top_p < 1 or a.top_k > 0 or not a.do_sample):
+        raise UserError(
+            f"{path}: actor_rollout.{engine_log_probs} with rollout_engine vllm needs do_sample true, top_p 1 and "
+            "top_k 0: vLLM's log-probs are taken after its top-p / top-k masking (and at temperature 1 when greedy), "
+            f"not from the distribution the trainer uses; turn {engine_log_probs} off"
+        )
+    if a.vllm_gpu_memory_utilization > 1:
+        raise UserError(
+            f"{path}: actor_rollout.vllm_gpu_memory_utilization must be in (0, 1], got {a.vllm_gpu_memory_utilization}"
+        )
 
 
 FROZEN_DTYPES = ("float32", "bfloat16")

@@ -60,6 +60,7 @@ class PolicyBatch:
     old_logprobs: torch.Tensor  # the actor's log-probs at rollout time
     advantages: torch.Tensor
     ref_logprobs: torch.Tensor | None  # for the KL loss term
+    is_weights: torch.Tensor | None = None  # truncated importance weights per token (rollout_is_cap), else 1
 
 
 @dataclass

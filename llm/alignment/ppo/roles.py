@@ -71,7 +71,20 @@ class PolicyModel:
         with_log_probs: bool = False,
     ):
         """Responses, ``num_samples`` per prompt (and with ``with_log_probs`` their tokens' log-probs from
-        the generation's own logits): ``generation.generate`` with this role's model and temperature."""
+        the generation's own logits): ``generation.generate`` with this role's model and temperature, or
+        the role's vLLM ``engine`` when it has one (``rollout_engine: vllm``, vllm_rollout.py)."""
+        if self.engine is not None:
+            return self.engine.generate(
+                prompt_ids,
+                num_samples=num_samples,
+                max_new_tokens=max_new_tokens,
+                do_sample=do_sample,
+                top_p=top_p,
+                top_k=top_k,
+                ignore_eos=ignore_eos,
+                seed=seed,
+                with_log_probs=with_log_probs,
+            )
         return generation.generate(
             self.model,
             self.tokenizer,
@@ -201,6 +214,7 @@ class ActorRole(PolicyModel):
                 u.clip_low,
                 u.clip_high,
                 normaliser=tokens,
+                weights=None if batch.is_weights is None else batch.is_weights[part, :T].to(dev),
             )
             loss = out.loss
             ent = (entropy * m).sum() / tokens
@@ -236,6 +250,14 @@ class ActorRole(PolicyModel):
         if is_peft_model(self.model):
             return merged_state_dict(self.model)
         return get_model_state_dict(self.model, options=GATHER)
+
+    def sync_engine(self) -> float:
+        """The model's current weights into its vLLM ``engine`` (after an update or a resume); the seconds
+        it took (0 without an engine)."""
+        if self.engine is None:
+            return 0.0
+        self.engine.load_weights(self.weights())
+        return self.engine.sync_seconds
 
     def save(self, directory: str, with_optimizer: bool) -> None:
         self.optim.save(directory, self.tokenizer, with_optimizer)

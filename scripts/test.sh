@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The tests: the whole suite in .venv, then the vLLM rollout tests in .venv-vllm (bash scripts/setup.sh and
+# bash scripts/setup.sh --vllm make them). Without .venv-vllm the vLLM tests have not run: this says so and fails.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
+.venv/bin/python -m pytest -q tests "$@"
+if [ ! -x .venv-vllm/bin/python ]; then
+  echo "the vLLM tests did not run: .venv-vllm is missing (bash scripts/setup.sh --vllm makes it)" >&2
+  exit 1
+fi
+# REQUIRE_VLLM: vLLM that does not import is a failure here, not a skip
+REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest -q tests/test_vllm_rollout.py
