@@ -23,8 +23,10 @@ vLLM is optional (requirements-vllm.txt) and imported only here, only when a con
 
 from __future__ import annotations
 
+import atexit
 import copy
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -66,8 +68,8 @@ def check_described_by_config(model: torch.nn.Module, config) -> None:
 
 
 def kv_cache_bytes(config, max_model_len: int, sequences: int) -> int:
-    """KV cache for ``sequences`` sequences of ``max_model_len`` tokens (keys and values, every layer, at the
-    model's dtype), at least 64 MiB: what a CPU engine reserves."""
+    """KV cache for ``sequences`` sequences of ``max_model_len`` tokens (keys and values, every layer, 4 bytes a
+    value: enough for fp32 and twice what half precision needs), at least 64 MiB: what a CPU engine reserves."""
     text = config.get_text_config()
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
@@ -106,7 +108,8 @@ class VLLMRollout:
         self.sync_seconds = 0.0
         self._params = vllm.SamplingParams
         device = next(model.parameters()).device
-        self.directory = tempfile.mkdtemp(prefix="ppo_vllm_")
+        self.directory = tempfile.mkdtemp(prefix="ppo_vllm_")  # config + tokenizer only (the weights are synced)
+        atexit.register(shutil.rmtree, self.directory, True)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a LoRA actor: its base
         config = copy.deepcopy(base.config)
         config.architectures = [type(base).__name__]
