@@ -5,6 +5,8 @@ Run from the repository root::
     python bench/bench_sft_dpo.py --out /tmp/bench_sft_dpo.json   # 800 pairs / 800 SFT examples, 3 repeats
     python bench/bench_sft_dpo.py --quick                          # smoke test (< 2 min)
     python bench/bench_sft_dpo.py --profile 5 --tasks dpo          # op-level profile of 5 steps per side
+    python bench/bench_sft_dpo.py --tasks dpo --lora --dpo-ref online --hidden 640 --layers 9 \
+        --intermediate 1728 --heads 8 --kv-heads 8                 # DPO LoRA vs full, ours and TRL, 45M model
 
 Both sides take their settings from the same tiny configs, ``llm/config/tiny/dpo_argument.json`` and
 ``llm/config/tiny/sft_argument.json`` (model, max_seq_len 1024, max_prompt_len 256, greedy packing,
@@ -24,6 +26,14 @@ identical examples and targets.
                      (prompt + chosen, prompt + rejected: the prompt computed twice), right-padded,
                      sdpa + 2-D mask, logits at every position. (``padding_free`` is disabled for DPO
                      in TRL 1.12: it warns and falls back to padding.)
+  dpo/ours_lora      (``--lora``) ``dpo/ours`` with our LoRA fields (``lora: true``, ``lora_rank``,
+                     ``lora_alpha``, ``lora_dropout``, the default targets: every attention and MLP
+                     projection; ``llm/utils/lora.py``): adapters trained, the reference is the base with
+                     the adapter disabled (no copy).
+  dpo/trl_lora       (``--lora``) ``dpo/trl`` with ``peft_config=LoraConfig(...)`` (same rank, alpha,
+                     dropout, targets), ``ref_model=None``: TRL's reference is then the adapter-disabled
+                     base. ``disable_dropout`` is off on this side so that the LoRA dropout is the same as
+                     ours (the model itself has no dropout).
   sft/ours           ``build_sft_trainer`` (``llm/run_finetune.py``): greedy-packed rows of 1024, 1 per step.
   sft/trl            ``trl.SFTTrainer``, packing=False: batches of ``--trl-batch`` examples, right-padded.
   sft/trl_packed     packing=True (strategy "bfd", best-fit decreasing into rows of 1024; TRL then
@@ -97,8 +107,12 @@ CONFIGS = {
     "sft": os.path.join(ROOT, "llm/config/tiny/sft_argument.json"),
 }
 SIDES = {"dpo": ("ours", "trl"), "sft": ("ours", "trl", "trl_packed", "trl_padfree")}
-# ours / this TRL side on real tokens/s must reach the factor (issue #5)
+LORA_SIDES = ("ours", "ours_lora", "trl", "trl_lora")  # DPO with --lora
+# (numerator, denominator) of the ratio rows; ours / this TRL side on real tokens/s must reach the factor
+# (issue #5; with --lora, issue #15: ours LoRA at least TRL LoRA)
 GOALS = {"dpo": ("trl", 1.5), "sft": ("trl_packed", 1.0)}
+LORA_GOAL = (("ours_lora", "trl_lora"), 1.0)
+LORA_RATIOS = (("ours", "trl"), ("ours_lora", "trl_lora"), ("ours_lora", "ours"), ("trl_lora", "trl"))
 MODEL_FLAGS = ("hidden", "intermediate", "layers", "heads", "kv_heads")
 
 
@@ -123,6 +137,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="DPO reference log-probs: precomputed before training (the config's default) or a frozen "
         "reference model run in every step, on both sides",
     )
+    p.add_argument(
+        "--lora",
+        action="store_true",
+        help="DPO: also the LoRA sides ours_lora (our lora fields) and trl_lora (TRL's peft_config); the reference "
+        "is the adapter-disabled base on both",
+    )
+    p.add_argument("--lora-rank", type=int, default=8, help="with --lora: lora_rank / LoraConfig r (default 8)")
+    p.add_argument("--lora-alpha", type=float, default=16.0, help="with --lora: lora_alpha (default 16)")
+    p.add_argument("--lora-dropout", type=float, default=0.05, help="with --lora: lora_dropout (default 0.05)")
     for flag in MODEL_FLAGS:
         p.add_argument(
             f"--{flag.replace('_', '-')}",
@@ -146,8 +169,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------------------------- worker
 
 
-def our_arguments(task: str, workdir: str, out_dir: str, dpo_ref: str | None):
-    """The tiny config of ``task`` parsed as ``run_dpo.py`` / ``run_finetune.py`` do, with the benchmark overrides."""
+def our_arguments(task: str, workdir: str, out_dir: str, dpo_ref: str | None, lora: tuple | None = None):
+    """The tiny config of ``task`` parsed as ``run_dpo.py`` / ``run_finetune.py`` do, with the benchmark overrides;
+    ``lora``: (rank, alpha, dropout) to set our LoRA fields (default targets), or None (full fine-tuning)."""
     from llm.alignment.dpo.arguments import DPO_ARGUMENT_TYPES
     from llm.utils.arguments import ARGUMENT_TYPES, parse_arguments, validate_arguments
 
@@ -180,6 +204,9 @@ def our_arguments(task: str, workdir: str, out_dir: str, dpo_ref: str | None):
     ]
     if task == "dpo" and dpo_ref is not None:
         cli += ["--precompute_ref_log_probs", str(dpo_ref == "precompute").lower()]
+    if lora is not None:
+        rank, alpha, dropout = lora
+        cli += ["--lora", "true", "--lora_rank", str(rank), "--lora_alpha", str(alpha), "--lora_dropout", str(dropout)]
     model_args, data_args, training_args = parse_arguments(cli, DPO_ARGUMENT_TYPES if task == "dpo" else ARGUMENT_TYPES)
     validate_arguments(model_args, data_args, training_args)
     return model_args, data_args, training_args
@@ -314,6 +341,20 @@ def build_trl(task: str, side: str, args, model_args, data_args, training_args, 
             def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
                 return dataset
 
+        peft_config = None
+        if side == "trl_lora":
+            from peft import LoraConfig
+
+            from llm.utils.lora import DEFAULT_TARGETS
+
+            peft_config = LoraConfig(
+                r=args.lora_rank,
+                lora_alpha=args.lora_alpha,
+                lora_dropout=args.lora_dropout,
+                target_modules=list(DEFAULT_TARGETS),  # ours: target_modules unset = these
+                bias="none",
+                task_type="CAUSAL_LM",
+            )
         config = trl.DPOConfig(
             per_device_train_batch_size=batch,
             max_length=data_args.max_seq_len,
@@ -321,15 +362,19 @@ def build_trl(task: str, side: str, args, model_args, data_args, training_args, 
             loss_type=["sigmoid"],
             label_smoothing=ta.label_smoothing,
             precompute_ref_log_probs=ta.precompute_ref_log_probs,
+            # TRL zeroes every nn.Dropout by default, LoRA's too; ours keeps lora_dropout (the model has none)
+            disable_dropout=peft_config is None,
             **common,
         )
-        ref = None if ta.precompute_ref_log_probs else copy.deepcopy(model)
+        # with peft_config TRL's reference is the adapter-disabled base: no copy
+        ref = None if ta.precompute_ref_log_probs or peft_config is not None else copy.deepcopy(model)
         trainer = TokenizedDPOTrainer(
             model=model,
             ref_model=ref,
             args=config,
             train_dataset=datasets.Dataset.from_list([split_pair(ex) for ex in examples]),
             processing_class=tokenizer,
+            peft_config=peft_config,
         )
         return trainer, trl_dpo_counts, len(examples)
     packed = side == "trl_packed"
@@ -352,10 +397,13 @@ def build_trl(task: str, side: str, args, model_args, data_args, training_args, 
 
 
 def weights_checksum(model) -> float:
+    """Of the base weights (LoRA adapters left out: their random init is peft's, not the config's seed), so a
+    LoRA side and a full side of the same model agree."""
     import torch
 
+    base = [p for name, p in model.named_parameters() if "lora_" not in name]
     with torch.no_grad():
-        return float(sum(p.double().sum() * (i + 1) for i, p in enumerate(model.parameters())))
+        return float(sum(p.double().sum() * (i + 1) for i, p in enumerate(base)))
 
 
 def run_side(args) -> dict:
@@ -366,9 +414,10 @@ def run_side(args) -> dict:
 
     task, side = args.side.split(":")
     out_dir = tempfile.mkdtemp(prefix=f"{task}_{side}_", dir=args.workdir)
-    model_args, data_args, training_args = our_arguments(task, args.workdir, out_dir, args.dpo_ref)
+    lora = (args.lora_rank, args.lora_alpha, args.lora_dropout) if side == "ours_lora" else None
+    model_args, data_args, training_args = our_arguments(task, args.workdir, out_dir, args.dpo_ref, lora)
     s0 = time.perf_counter()
-    if side == "ours":
+    if side in ("ours", "ours_lora"):
         build = build_dpo_trainer if task == "dpo" else build_sft_trainer
         trainer, train, _ = build(model_args, data_args, training_args)
         measure, n_examples = our_counts, train.stats.examples
@@ -377,6 +426,7 @@ def run_side(args) -> dict:
     setup_seconds = time.perf_counter() - s0
     trainer.data_collator = counter = Counting(trainer.data_collator, measure)
     facts = trainer_facts(trainer)
+    facts["trainable_parameters"] = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     checksum = weights_checksum(trainer.model)
     m = measure_training(trainer, args.warmup_steps, args.profile)
     result = {
@@ -475,6 +525,7 @@ SAME_IN_EVERY_RUN = (
     "slots_per_step",
     "batch_size",
     "parameters",
+    "trainable_parameters",
     "optimizer",
     "learning_rate",
     "threads",
@@ -502,13 +553,16 @@ def fmt_table(summary: dict) -> str:
                 f"{num(m['calm_tokens_per_second'], '.0f')} ({m['calm_runs']}) | {m['setup_seconds']:.1f} | "
                 f"{m['peak_rss_mib']:.0f} | {m['train_added_rss_mib']:.0f} | {m['runs']}"
             )
-        goal_side, goal = GOALS[task]
-        for side, r in s["ratio_ours_over"].items():
+        goals = {("ours", GOALS[task][0]): GOALS[task][1]}
+        if "ours_lora" in s["sides"]:
+            goals[LORA_GOAL[0]] = LORA_GOAL[1]
+        for name, r in s["ratios"].items():
+            goal = goals.get(tuple(name.split(" / ")))
             verdict = ""
-            if side == goal_side:
+            if goal is not None:
                 verdict = f" (goal >= {goal}x: {'met' if r['tokens_per_second'] >= goal else 'NOT met'})"
             rows.append(
-                f"{task.upper()} | **ours / {side}** | | | | **{r['tokens_per_second']:.2f}x**{verdict} | | "
+                f"{task.upper()} | **{name}** | | | | **{r['tokens_per_second']:.2f}x**{verdict} | | "
                 f"{r['examples_per_second']:.2f}x | {r['tokens_per_cpu_second']:.2f}x | | "
                 f"{num(r['calm_tokens_per_second'], '.2f', 'x')} | | {r['peak_rss_mib']:.2f}x | "
                 f"{r['train_added_rss_mib']:.2f}x |"
@@ -517,20 +571,20 @@ def fmt_table(summary: dict) -> str:
 
 
 def check_same_work(task: str, runs: dict) -> list[str]:
-    """Warnings where the sides did not see the same weights, examples and tokens."""
+    """Warnings where the sides did not see the same weights, examples and tokens (and, LoRA sides against
+    ``ours_lora``, the same number of parameters, trainable ones included)."""
     first = {side: rs[0] for side, rs in runs.items()}
     ours = first["ours"]
     warnings = []
     for side, r in first.items():
-        for key in (
-            "initial_weights_checksum",
-            "parameters",
-            "examples_epoch",
-            "real_tokens_epoch",
-            "target_tokens_epoch",
-        ):
+        keys = ["initial_weights_checksum", "examples_epoch", "real_tokens_epoch", "target_tokens_epoch"]
+        for key in keys:
             if abs(r[key] - ours[key]) > 1e-9 * max(1.0, abs(ours[key])):
                 warnings.append(f"{task}/{side}: {key} {r[key]} != ours {ours[key]}")
+        anchor = "ours_lora" if side.endswith("_lora") else "ours"
+        for key in ("parameters", "trainable_parameters"):
+            if r[key] != first[anchor][key]:
+                warnings.append(f"{task}/{side}: {key} {r[key]} != {anchor} {first[anchor][key]}")
         if r["activation_checkpointing"] or r["threads"] != ours["threads"] or r["optimizer"] != ours["optimizer"]:
             warnings.append(f"{task}/{side}: settings differ from ours ({r['optimizer']}, {r['threads']} threads)")
     return warnings
@@ -546,6 +600,29 @@ def describe(r: dict) -> str:
     )
 
 
+def lora_memory(s: dict) -> dict:
+    """With the LoRA sides: the reference model's size (fp32 weights of the full model) and what LoRA saves in
+    peak RSS, ours and TRL's, against the goal (saved >= the reference's size)."""
+    ref_mib = s["ours"]["parameters"] * 4 / 2**20
+    out = {"reference_model_mib": ref_mib}
+    for family in ("ours", "trl"):
+        if f"{family}_lora" in s["sides"] and family in s["sides"]:
+            saved = s[family]["peak_rss_mib"] - s[f"{family}_lora"]["peak_rss_mib"]
+            out[f"{family}_saved_mib"] = saved
+            out[f"{family}_saved_over_reference"] = saved / ref_mib
+    return out
+
+
+def lora_memory_line(m: dict) -> str:
+    parts = [f"reference model (fp32 weights) {m['reference_model_mib']:.0f} MiB"]
+    for family in ("ours", "trl"):
+        if f"{family}_saved_mib" in m:
+            saved, x = m[f"{family}_saved_mib"], m[f"{family}_saved_over_reference"]
+            verdict = "met" if x >= 1 else "NOT met"
+            parts.append(f"{family}: LoRA saves {saved:.0f} MiB of peak RSS = {x:.2f}x it (goal >= 1x: {verdict})")
+    return "DPO LoRA memory: " + "; ".join(parts)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.side:
@@ -553,7 +630,8 @@ def main(argv=None) -> dict:
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     assert all(t in CONFIGS for t in args.tasks), args.tasks
     wanted = None if args.sides is None else {s.strip() for s in args.sides.split(",")} | {"ours"}
-    sides = {t: tuple(s for s in SIDES[t] if wanted is None or s in wanted) for t in args.tasks}
+    all_sides = dict(SIDES, dpo=LORA_SIDES) if args.lora else SIDES
+    sides = {t: tuple(s for s in all_sides[t] if wanted is None or s in wanted) for t in args.tasks}
     env = worker_env(args.threads, TOKENIZERS_PARALLELISM="false")
     with tempfile.TemporaryDirectory(prefix="bench_sft_dpo_") as workdir:
         info = prepare(args, workdir)
@@ -561,7 +639,15 @@ def main(argv=None) -> dict:
 
         def run(task, side, rep):
             argv = forward_flags(
-                args, "warmup_steps", "threads", "profile", "dpo_ref", trl_batch=info[task]["trl_batch"]
+                args,
+                "warmup_steps",
+                "threads",
+                "profile",
+                "dpo_ref",
+                "lora_rank",
+                "lora_alpha",
+                "lora_dropout",
+                trl_batch=info[task]["trl_batch"],
             )
             return run_worker(__file__, f"{task}:{side}", workdir, argv, ROOT, env=env, echo=bool(args.profile))
 
@@ -572,15 +658,20 @@ def main(argv=None) -> dict:
         summary[task] = {"sides": list(sides[task])}
         for side in sides[task]:
             summary[task][side] = summarize_runs(runs[task][side], MEDIAN_KEYS, SAME_IN_EVERY_RUN)
-        summary[task]["ratio_ours_over"] = {
-            side: ratios(summary[task]["ours"], summary[task][side], RATIO_KEYS)
-            for side in sides[task]
-            if side != "ours"
+        pairs = [("ours", side) for side in sides[task] if side not in ("ours", "ours_lora", "trl_lora")]
+        if task == "dpo" and args.lora:
+            pairs = [(a, b) for a, b in LORA_RATIOS if a in sides[task] and b in sides[task]]
+        summary[task]["ratios"] = {
+            f"{a} / {b}": ratios(summary[task][a], summary[task][b], RATIO_KEYS) for a, b in pairs
         }
+        if task == "dpo" and args.lora:
+            summary[task]["lora_memory"] = lora_memory(summary[task])
         warnings += check_same_work(task, runs[task])
     table = fmt_table(summary)
     print()
     print(table)
+    if "lora_memory" in summary.get("dpo", {}):
+        print(lora_memory_line(summary["dpo"]["lora_memory"]))
     for w in warnings:
         print(f"warning: {w}")
     report = {
