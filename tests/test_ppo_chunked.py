@@ -194,19 +194,28 @@ def _seq_cls():
 
 def test_full_kl_run_does_not_depend_on_the_chunk(tmp_path, monkeypatch):
     """A whole run with kl_penalty full (KL in the reward), an entropy bonus and temperature 0.7: the same
-    history with 3 readouts per chunk as with one block per row (what the unchunked code computed)."""
-    runs = []
+    history with 3 readouts per chunk (training.readout_chunk) as with one block per row (what the unchunked
+    code computed)."""
+    runs, used = [], []
+    original = PolicyModel._log_probs
+
+    def recording(self, *args, **kwargs):
+        used.append(self.readout_chunk)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(PolicyModel, "_log_probs", recording)
     for chunk in (10**9, 3):
-        monkeypatch.setattr(PolicyModel, "readout_chunk", chunk)
         out = tmp_path / f"out{chunk}"
         cfg = config(
             tmp_path,
             algorithm={"kl_penalty": "full", "kl_ctrl": {"type": "fixed", "kl_coef": 0.2}},
             actor_rollout={"entropy_coeff": 0.01, "temperature": 0.7},
-            training={"output_dir": str(out)},
+            training={"output_dir": str(out), "readout_chunk": chunk},
         )
         main([cfg])
         runs.append(history(out))
+        assert set(used) == {chunk}  # actor and reference read the config's chunk size
+        used.clear()
     assert len(runs[0]) == 2 and runs[0][-1]["kl"] > 0  # step 1: the actor is still the reference
     for a, b in zip(*runs):
         for key in ("kl", "entropy", "policy_loss", "score", "reward", "value_loss", "approx_kl"):

@@ -52,13 +52,21 @@ def value_update(c: PPOConfig) -> ValueUpdate:
     return ValueUpdate(cr.critic_mini_batch_size, cr.cliprange_value, cr.value_loss_coef)
 
 
+def chunked_by(c: PPOConfig, role):
+    """``role`` computing its log-probs ``training.readout_chunk`` readouts at a time (roles.py)."""
+    role.readout_chunk = c.training.readout_chunk
+    return role
+
+
 def build_actor(c: PPOConfig, place: Place) -> ActorRole:
     a, tok = c.actor_rollout, actor_tokenizer(c)
     model = load(c, AutoModelForCausalLM, a.model_name_or_path, a.init_from_config, tok, place, True)
     model = with_lora(c, "actor_rollout", model)
     micro = c.micro("actor_rollout")
     optim = optimizer_for(c, model, "actor_rollout", place)
-    actor = ActorRole(model, tok, a.temperature, micro, optim, policy_update(c), a.gather_weights_for_generation)
+    actor = chunked_by(
+        c, ActorRole(model, tok, a.temperature, micro, optim, policy_update(c), a.gather_weights_for_generation)
+    )
     attach_engine(c, actor)
     return actor
 
@@ -79,7 +87,7 @@ def build_ref(c: PPOConfig, place: Place, roles: dict | None = None) -> PolicyMo
     a, tok = c.actor_rollout, actor_tokenizer(c)
     if shares_actor_base(c):
         logger.info("ref: the LoRA actor's own model with the adapter disabled (no second copy)")
-        return ActorBase({} if roles is None else roles, tok, a.temperature, c.micro("ref"))
+        return chunked_by(c, ActorBase({} if roles is None else roles, tok, a.temperature, c.micro("ref")))
     path = c.ref.model_name_or_path or a.model_name_or_path
     from_config = a.init_from_config if path == a.model_name_or_path else c.ref.init_from_config
     model = load(c, AutoModelForCausalLM, path, from_config, tok, place, False, c.ref.dtype)
@@ -88,7 +96,7 @@ def build_ref(c: PPOConfig, place: Place, roles: dict | None = None) -> PolicyMo
         and model.config.vocab_size != AutoConfig.from_pretrained(a.model_name_or_path).vocab_size
     ):
         raise UserError("ref and actor_rollout models have different vocabularies: the reference must be the SFT model")
-    ref = PolicyModel(model, tok, a.temperature, c.micro("ref"))
+    ref = chunked_by(c, PolicyModel(model, tok, a.temperature, c.micro("ref")))
     return offload_idle(c, ref, model, "ref", place, ("log_probs",))
 
 
@@ -211,11 +219,12 @@ def build_from_models(
         optimizer_for(c, policy, "actor_rollout", place),
         policy_update(c),
     )
+    chunked_by(c, actor)
     attach_engine(c, actor)
     if ref is None:
-        ref_role = ActorBase({"actor_rollout": actor}, tok, a.temperature, micro("ref"))
+        ref_role = chunked_by(c, ActorBase({"actor_rollout": actor}, tok, a.temperature, micro("ref")))
     else:
-        ref_role = PolicyModel(ref.eval(), tok, a.temperature, micro("ref"))
+        ref_role = chunked_by(c, PolicyModel(ref.eval(), tok, a.temperature, micro("ref")))
     return PPOTrainer(
         c,
         prompts,

@@ -52,6 +52,12 @@ class TrainingSection:
             "autocast; actor and critic AdamW on fp32 master weights: the O2 scheme"
         },
     )
+    readout_chunk: int = _f(
+        1024,
+        "readouts per LM-head block in the log-probs, entropies and exact KL of actor and reference: the largest "
+        "(tokens, vocab) block alive (1024 x 151,936 x 4 bytes = 622 MB); the numbers do not depend on it",
+        low=1,
+    )
     gradient_checkpointing: bool = field(
         default=False,
         metadata={
