@@ -8,7 +8,7 @@ random Qwen2 (``tiny_config("qwen2", 151936)``, ``--hidden`` x ``--layers``, unt
 reference, critic and reward. Sides, each in its own subprocess, interleaved over ``--repeats``:
 
 - ``trl``: TRL's ``PPOTrainer`` (its forwards return ``(batch, T, V)`` logits);
-- ``ours-unchunked``: ours with ``PolicyModel.readout_chunk`` = 10**9, one LM-head block per packed row
+- ``ours-unchunked``: ours with ``training.readout_chunk`` = 10**9, one LM-head block per packed row
   (all its readouts at once: the behaviour before the chunking);
 - ``ours``: ours with ``--chunk`` readouts per block (log-probs, entropies, exact KL; checkpointed in backward).
 
@@ -97,14 +97,12 @@ def run_side(a) -> dict:
     if a.side == "trl":
         out = bench_ppo.run_trl(a)
     else:
-        from llm.alignment.ppo.roles import PolicyModel
-
-        PolicyModel.readout_chunk = UNCHUNKED if a.side == "ours-unchunked" else a.chunk
         config = bench_ppo.ours_config
 
         def with_kl(args):
             c = config(args)
             c.algorithm.kl_penalty = a.kl
+            c.training.readout_chunk = UNCHUNKED if a.side == "ours-unchunked" else a.chunk
             return c
 
         bench_ppo.ours_config = with_kl

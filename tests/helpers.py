@@ -1,6 +1,7 @@
 """Shared test fixtures: tiny models built in-process, the bundled tokenizer."""
 
 import copy
+import json
 import os
 
 import torch
@@ -30,3 +31,24 @@ def twin(model, attn):
     other = type(model)._from_config(copy.deepcopy(model.config), attn_implementation=attn, dtype=torch.float32)
     other.load_state_dict(model.state_dict())
     return other
+
+
+def ppo_config_file(tmp_path, source: str, name: str, *layers: dict) -> str:
+    """A copy of the PPO config ``source`` in ``tmp_path`` (``<name>_<n>.json``) with its repository paths made
+    absolute, output in ``tmp_path/out``, no reports, no checkpoints, then each of ``layers`` (``{section:
+    {field: value}}``) merged in order."""
+    with open(source, encoding="utf-8") as f:
+        cfg = json.load(f)
+    for sec, key in (
+        ("actor_rollout", "model_name_or_path"),
+        ("actor_rollout", "tokenizer_name_or_path"),
+        ("data", "train_dataset_path"),
+    ):
+        cfg[sec][key] = os.path.join(ROOT, cfg[sec][key])
+    cfg["training"].update(output_dir=str(tmp_path / "out"), report_to="none", disable_tqdm=True, save_steps=0)
+    for layer in layers:
+        for sec, values in layer.items():
+            cfg.setdefault(sec, {}).update(values)
+    path = tmp_path / f"{name}_{len(list(tmp_path.glob(f'{name}_*')))}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)

@@ -24,34 +24,24 @@ from llm.run_ppo import main
 from llm.utils.checkpoints import load_tree
 from llm.utils.errors import UserError
 from llm.utils.modeling import load_model
-from tests.helpers import ROOT
+from tests.helpers import ROOT, ppo_config_file
 from tests.test_ppo_ray import assert_same_step, ray_cluster, two_steps  # noqa: F401 - ray_cluster: a fixture
 
 DEMO = os.path.join(ROOT, "llm", "config", "tiny", "ppo_lora_argument.json")
 TINY_LLAMA = os.path.join(ROOT, "llm", "assets", "tiny-llama")
 
 
+SMALL = {  # two short steps of 4 prompts, two epochs
+    "training": {"max_steps": 2},
+    "actor_rollout": {"max_response_length": 8, "ppo_mini_batch_size": 4, "ppo_epochs": 2},
+    "critic": {"critic_mini_batch_size": 4, "critic_update_epochs": 2},
+    "data": {"rollout_batch_size": 4},
+}
+
+
 def config(tmp_path, demo_sizes=False, **sections):
     """The LoRA demo config in ``tmp_path`` (small batches unless ``demo_sizes``), ``sections`` merged in."""
-    with open(DEMO, encoding="utf-8") as f:
-        cfg = json.load(f)
-    for sec, key in (
-        ("actor_rollout", "model_name_or_path"),
-        ("actor_rollout", "tokenizer_name_or_path"),
-        ("data", "train_dataset_path"),
-    ):
-        cfg[sec][key] = os.path.join(ROOT, cfg[sec][key])
-    cfg["training"].update(output_dir=str(tmp_path / "out"), report_to="none", disable_tqdm=True, save_steps=0)
-    if not demo_sizes:
-        cfg["training"]["max_steps"] = 2
-        cfg["actor_rollout"].update(max_response_length=8, ppo_mini_batch_size=4, ppo_epochs=2)
-        cfg["critic"].update(critic_mini_batch_size=4, critic_update_epochs=2)
-        cfg["data"].update(rollout_batch_size=4)
-    for sec, values in sections.items():
-        cfg.setdefault(sec, {}).update(values)
-    path = tmp_path / f"ppo_lora_{len(list(tmp_path.glob('ppo_lora_*')))}.json"
-    path.write_text(json.dumps(cfg))
-    return str(path)
+    return ppo_config_file(tmp_path, DEMO, "ppo_lora", {} if demo_sizes else SMALL, sections)
 
 
 def base(auto_class=AutoModelForCausalLM, **kw):

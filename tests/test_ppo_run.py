@@ -16,7 +16,7 @@ from llm.alignment.ppo.rewards import HttpReward, PRMReward, RuleReward, char_to
 from llm.alignment.ppo.rules import last_number, math_exact_match
 from llm.run_ppo import main
 from llm.utils.errors import UserError, run_cli
-from tests.helpers import ROOT, tiny_model, tokenizer
+from tests.helpers import ROOT, ppo_config_file, tiny_model, tokenizer
 
 TINY = os.path.join(ROOT, "llm", "config", "tiny", "ppo_argument.json")
 TINY_LLAMA = os.path.join(ROOT, "llm", "assets", "tiny-llama")
@@ -30,26 +30,17 @@ ORM_REWARD = {
 }
 
 
+SMALL = {  # two short steps of 4 prompts
+    "training": {"max_steps": 2},
+    "actor_rollout": {"max_response_length": 8, "ppo_mini_batch_size": 4, "ppo_epochs": 1},
+    "critic": {"critic_mini_batch_size": 4, "critic_update_epochs": 1},
+    "data": {"rollout_batch_size": 4},
+}
+
+
 def config(tmp_path, **sections):
-    with open(TINY, encoding="utf-8") as f:
-        cfg = json.load(f)
-    for sec, key in (
-        ("actor_rollout", "model_name_or_path"),
-        ("actor_rollout", "tokenizer_name_or_path"),
-        ("data", "train_dataset_path"),
-    ):
-        cfg[sec][key] = os.path.join(ROOT, cfg[sec][key])
-    cfg["training"].update(
-        output_dir=str(tmp_path / "out"), report_to="none", disable_tqdm=True, max_steps=2, save_steps=0
-    )
-    cfg["actor_rollout"].update(max_response_length=8, ppo_mini_batch_size=4, ppo_epochs=1)
-    cfg["critic"].update(critic_mini_batch_size=4, critic_update_epochs=1)
-    cfg["data"].update(rollout_batch_size=4)
-    for sec, values in sections.items():
-        cfg.setdefault(sec, {}).update(values)
-    path = tmp_path / f"ppo_{len(list(tmp_path.iterdir()))}.json"
-    path.write_text(json.dumps(cfg))
-    return str(path)
+    """The tiny demo config, small (``SMALL``), with ``sections`` merged in, written to ``tmp_path``."""
+    return ppo_config_file(tmp_path, TINY, "ppo", SMALL, sections)
 
 
 def history(out):

@@ -73,31 +73,24 @@ class PolicyModel:
         """Responses, ``num_samples`` per prompt (and with ``with_log_probs`` their tokens' log-probs from
         the generation's own logits): ``generation.generate`` with this role's model and temperature, or
         the role's vLLM ``engine`` when it has one (``rollout_engine: vllm``, vllm_rollout.py)."""
+        sampling = {
+            "num_samples": num_samples,
+            "max_new_tokens": max_new_tokens,
+            "do_sample": do_sample,
+            "top_p": top_p,
+            "top_k": top_k,
+            "ignore_eos": ignore_eos,
+            "seed": seed,
+            "with_log_probs": with_log_probs,
+        }
         if self.engine is not None:
-            return self.engine.generate(
-                prompt_ids,
-                num_samples=num_samples,
-                max_new_tokens=max_new_tokens,
-                do_sample=do_sample,
-                top_p=top_p,
-                top_k=top_k,
-                ignore_eos=ignore_eos,
-                seed=seed,
-                with_log_probs=with_log_probs,
-            )
+            return self.engine.generate(prompt_ids, **sampling)
         return generation.generate(
             self.model,
             self.tokenizer,
             self.temperature,
             prompt_ids,
-            num_samples=num_samples,
-            max_new_tokens=max_new_tokens,
-            do_sample=do_sample,
-            top_p=top_p,
-            top_k=top_k,
-            ignore_eos=ignore_eos,
-            seed=seed,
-            with_log_probs=with_log_probs,
+            **sampling,
             gather_for_generation=self.gather_for_generation,
         )
 

@@ -141,7 +141,10 @@ class VLLMRollout:
             self.llm.generate([{"prompt_token_ids": [0]}], vllm.SamplingParams(max_tokens=1), use_tqdm=False)
         except Exception as err:
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            raise UserError(f"actor_rollout.rollout_engine: vllm: the engine did not start: {first}") from err
+            raise UserError(
+                f"actor_rollout.rollout_engine: vllm: the engine did not start for {base.config.model_type} "
+                f"({type(base).__name__}): {first}. Fix: set rollout_engine: hf to generate with Hugging Face"
+            ) from err
         finally:
             torch.set_num_threads(threads)  # vLLM's CPU backend sets its own thread count
         self.asleep = False  # dummy weights until the first ``load_weights``
