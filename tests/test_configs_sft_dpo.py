@@ -1,5 +1,6 @@
 """Every sft/dpo argument file in the tree parses strictly (unknown keys are errors) with its entry point's
-dataclasses; the real-model ones train in bf16 with flash attention, the tiny ones point at bundled files."""
+dataclasses; the real-model ones train in bf16 with flash attention, the tiny ones point at bundled files, the
+smollm2 ones (the real model on a CPU) train in fp32 on bundled data from the converted model directory."""
 
 import glob
 import os
@@ -9,6 +10,7 @@ import pytest
 from llm.alignment.dpo.arguments import DPO_ARGUMENT_TYPES
 from llm.utils.arguments import ARGUMENT_TYPES, parse_arguments
 from llm.utils.errors import UserError
+from llm.utils.gguf import smollm2_dir
 from tests.helpers import ROOT
 
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "llm", "config", "*", "*_argument.json")))
@@ -27,10 +29,15 @@ def test_config_parses_strictly(path):
     types = DPO_ARGUMENT_TYPES if path in DPO else ARGUMENT_TYPES
     model_args, data_args, training_args = parse_arguments([path], types)
     assert model_args.model_name_or_path and training_args.output_dir and data_args.train_dataset_path
-    if os.path.basename(os.path.dirname(path)) == "tiny":
+    folder = os.path.basename(os.path.dirname(path))
+    if folder == "tiny":
         assert model_args.init_from_config and not training_args.bf16
         for p in (model_args.model_name_or_path, model_args.tokenizer_name_or_path, data_args.train_dataset_path):
             assert os.path.exists(os.path.join(ROOT, p)), p
+    elif folder == "smollm2":
+        assert not model_args.init_from_config and not training_args.bf16 and not model_args.use_flash_attention
+        assert model_args.model_name_or_path == os.path.relpath(smollm2_dir(), ROOT)
+        assert data_args.use_chat_template and os.path.exists(os.path.join(ROOT, data_args.train_dataset_path))
     else:
         assert training_args.bf16 and model_args.use_flash_attention and data_args.use_chat_template
     if path in DPO:

@@ -266,8 +266,12 @@ def test_prm_dense_rewards_land_on_each_steps_last_token():
 def test_every_ppo_config_in_tree_parses():
     import glob
 
-    files = sorted(glob.glob(os.path.join(ROOT, "llm", "config", "*", "ppo*_argument.json")))
-    assert len(files) >= 4, files  # llama, qwen2, tiny, tiny Ray
+    files = sorted(
+        f
+        for name in ("ppo*_argument.json", "grpo*_argument.json")
+        for f in glob.glob(os.path.join(ROOT, "llm", "config", "*", name))
+    )
+    assert len(files) >= 6, files  # llama, qwen2, tiny, tiny Ray, smollm2 ppo and grpo
     for path in files:
         c = parse_ppo_config([path])
         assert c.actor_rollout.model_name_or_path and c.data.train_dataset_path
