@@ -189,6 +189,22 @@ def test_missing_tokenizer_and_a_file_as_model_path(tmp_path, saved_model, capsy
     assert "is a file, not a model directory" in err
 
 
+def test_config_of_another_architecture_over_the_weights_stops(tmp_path, saved_model, capsys):
+    """A gpt2 config.json over Llama weights: transformers only warns that every weight is missing and would
+    train a random model; here the run stops naming the weights file, the architecture and the fix."""
+    mixed = tmp_path / "mixed"
+    shutil.copytree(saved_model, mixed)
+    gpt2 = {"model_type": "gpt2", "vocab_size": len(tokenizer()), "n_embd": 64, "n_head": 4, "n_layer": 2}
+    (mixed / "config.json").write_text(json.dumps(gpt2))
+    err = exits_2(reward_main, [config_for(tmp_path, "reward", str(mixed))], capsys)
+    assert f"{mixed}/model.safetensors lacks" in err and "(gpt2) describes" in err, err
+    assert "the config and the weights are of different models" in err
+    # a config.json that cannot build its own model (64 wide, 12 heads): one message too, no traceback
+    (mixed / "config.json").write_text(json.dumps({**gpt2, "n_head": 12}))
+    err = exits_2(reward_main, [config_for(tmp_path, "reward", str(mixed))], capsys)
+    assert "cannot build a gpt2 model from its config.json" in err, err
+
+
 # --- PPO: an ORM reward with another tokenizer -----------------------------------------------------------
 def other_tokenizer(path):
     """A byte-level BPE of 300 tokens trained here: ids that mean other text than the tiny tokenizer's."""
@@ -384,6 +400,7 @@ def test_http_timeout_is_one_deadline_for_the_whole_request(answer):
         (reply(b'{"scores": [1.0]}'), "with 2 numbers (one per sample), got 1 scores"),
         (reply(b'{"score": [1.0, 2.0]}'), "with 2 numbers"),
         (reply(b'{"scores": [1.0, "high"]}'), "a reward must be a finite number"),
+        (reply(b'{"scores": [1.0, 1e39]}'), "returned 1e+39; a reward must be a finite float32 number"),
         (reply(b"no", 404), "answered HTTP 404"),
     ],
 )

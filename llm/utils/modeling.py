@@ -8,6 +8,7 @@ import logging
 import os
 import pickle
 import re
+from collections.abc import Iterable
 
 import torch
 import transformers
@@ -167,9 +168,15 @@ def load_model(
                     auto_class, path, config=config, attn_implementation=attn_implementation, dtype=dtype
                 )
             else:
-                model = auto_class.from_pretrained(
-                    path, config=config, attn_implementation=attn_implementation, dtype=dtype, **extra
+                model, info = auto_class.from_pretrained(
+                    path,
+                    config=config,
+                    attn_implementation=attn_implementation,
+                    dtype=dtype,
+                    output_loading_info=True,
+                    **extra,
                 )
+                check_weights_match(model, info.get("missing_keys", ()), path)
         except (SafetensorError, OSError, EOFError, json.JSONDecodeError, pickle.UnpicklingError) as err:
             if not os.path.isdir(path):
                 raise _not_found("model_name_or_path", path, "the weights", err) from None
@@ -177,9 +184,14 @@ def load_model(
                 f"{weights_file(path)}: cannot read the weights, the file is corrupt or truncated "
                 f"({type(err).__name__}: {err}); save or download the model again"
             ) from None
+        except UserError:
+            raise
         except ValueError as err:
             if parallel is None:
-                raise
+                raise UserError(
+                    f"model_name_or_path {path}: cannot build a {config.model_type} model from its config.json ({err}); "
+                    "put the config.json that was saved with these weights back"
+                ) from None
             raise UserError(f"{path}: cannot shard {config.model_type} as {layout.describe()}: {err}") from None
     if layout is not None and layout.native:
         try:
@@ -194,6 +206,23 @@ def load_model(
             "so packed rows cannot be made exact: use a Llama/Mistral/Qwen2-style decoder"
         )
     return model
+
+
+def check_weights_match(model: torch.nn.Module, missing: Iterable[str], path: str) -> None:
+    """Stop when the checkpoint supplies fewer than half of the model's parameters: its config.json describes
+    another architecture or layout than its weights (a gpt2 config over Llama weights), and transformers would
+    only warn, then train a randomly initialised model. A new head (``score`` on a causal-LM checkpoint) is a
+    few parameters and passes."""
+    sizes = dict(model.named_parameters())
+    total = sum(p.numel() for p in sizes.values())
+    absent = sum(sizes[name].numel() for name in missing if name in sizes)
+    if total and absent * 2 > total:
+        names = sorted(missing)
+        raise UserError(
+            f"model_name_or_path {path}: {weights_file(path)} lacks {absent:,} of the {total:,} parameters "
+            f"that its config.json ({model.config.model_type}) describes (e.g. {', '.join(names[:3])}): the config "
+            "and the weights are of different models; put the config.json that was saved with these weights back"
+        )
 
 
 def weights_file(path: str) -> str:

@@ -83,10 +83,20 @@ def model_types() -> list[str]:
     return sorted(n for n, t in REWARDS.items() if t.has_model)
 
 
+# Rewards are float32 tensors from here on: a Python float beyond this (1e39) is finite but becomes inf there,
+# and one inf makes the step's loss and then every weight NaN.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def check_score(value, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise UserError(
             f"{where} returned {value!r}; a reward must be a finite number (a bad sample is never "
             "silently turned into a zero reward)"
+        )
+    if abs(value) > FLOAT32_MAX:
+        raise UserError(
+            f"{where} returned {value!r}; a reward must be a finite float32 number (|r| <= 3.4e38: rewards are "
+            "float32 tensors, where this one would be infinite and turn the loss and the weights into NaN)"
         )
     return float(value)
