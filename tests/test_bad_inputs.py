@@ -205,6 +205,17 @@ def test_config_of_another_architecture_over_the_weights_stops(tmp_path, saved_m
     assert "cannot build a gpt2 model from its config.json" in err, err
 
 
+def test_dangling_and_looping_symlinks_as_data_paths_are_said_as_such(tmp_path, capsys):
+    """os.path.exists is false for both, which used to read "does not exist"."""
+    loop, dangling = tmp_path / "loop.jsonl", tmp_path / "dangling.jsonl"
+    loop.symlink_to(loop)
+    dangling.symlink_to(tmp_path / "gone.jsonl")
+    err = exits_2(reward_main, [flat_config(tmp_path, "reward", train_dataset_path=str(loop))], capsys)
+    assert f"{loop} is a loop of symbolic links" in err, err
+    err = exits_2(reward_main, [flat_config(tmp_path, "reward", train_dataset_path=str(dangling))], capsys)
+    assert f"is a symbolic link to {str(tmp_path / 'gone.jsonl')!r}, which does not exist" in err, err
+
+
 # --- PPO: an ORM reward with another tokenizer -----------------------------------------------------------
 def other_tokenizer(path):
     """A byte-level BPE of 300 tokens trained here: ids that mean other text than the tiny tokenizer's."""

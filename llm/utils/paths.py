@@ -8,6 +8,7 @@ is used. Outputs (``output_dir``) stay relative to the working directory.
 
 from __future__ import annotations
 
+import errno
 import os
 
 from llm.utils.errors import UserError
@@ -32,6 +33,22 @@ def resolve_input_path(value: str) -> str | None:
     return None
 
 
+def missing_reason(value: str) -> str:
+    """Why ``value`` names nothing, for messages: a dangling symbolic link or a loop of links is said as such
+    (``os.path.exists`` is false for both, which would otherwise read "does not exist")."""
+    bases = [""] if os.path.isabs(value) else search_dirs()
+    for base in bases:
+        candidate = os.path.join(base, value) if base else value
+        if os.path.islink(candidate):
+            try:
+                os.stat(candidate)
+            except OSError as err:
+                if err.errno == errno.ELOOP:
+                    return f"is a loop of symbolic links ({candidate})"
+            return f"is a symbolic link to {os.readlink(candidate)!r}, which does not exist ({candidate})"
+    return f"does not exist (looked in: {tried(value)})"
+
+
 def tried(value: str) -> str:
     """The places looked at for ``value``, for an error message."""
     if os.path.isabs(value):
@@ -49,7 +66,7 @@ def resolve_paths(value: str, field: str, where: str, *, required: bool = True) 
         if found is None:
             if required:
                 raise UserError(
-                    f"{where}: {field} {part!r} does not exist (looked in: {tried(part)}); relative paths are "
+                    f"{where}: {field} {part!r} {missing_reason(part)}; relative paths are "
                     "read from the working directory or the repository root"
                 )
             found = part

@@ -22,14 +22,18 @@ Renaming (``map_keys``)
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import stat
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from llm.data.readers.records import FIELDS, SUPPORTED_FORMATS
 from llm.utils.errors import UserError, closest
-from llm.utils.paths import tried
+from llm.utils.paths import missing_reason
+
+logger = logging.getLogger(__name__)
 
 _JSON_CHUNK = 1 << 20  # characters read at a time from a JSON list
 _BATCH = 1024  # rows per Arrow batch
@@ -63,9 +67,10 @@ def _detect_format(path: str) -> str:
     if os.path.isdir(path):
         return "hf"
     if not os.path.exists(path):
-        raise UserError(
-            f"data file {path} does not exist (looked in: {tried(path)}); supported formats: {SUPPORTED_FORMATS}"
-        )
+        raise UserError(f"data file {path} {missing_reason(path)}; supported formats: {SUPPORTED_FORMATS}")
+    if stat.S_ISFIFO(os.stat(path).st_mode):
+        # accepted on purpose (process substitution, a pipe from a decompressor): reading blocks until a writer comes
+        logger.warning("data file %s is a FIFO (named pipe): reading waits until a program writes into it", path)
     ext = os.path.splitext(path)[1].lower()
     if ext in (".json", ".jsonl"):
         return "json"
