@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -197,6 +198,55 @@ def finish_checkpoint(partial: str, final: str, step: int, fingerprint=None, ext
     else:
         os.rename(partial, final)
     _fsync_dir(os.path.dirname(final) or ".")
+
+
+# --- the final model: written aside, then moved into output_dir ------------------------------------------
+FINAL_STAGING = "final.partial"  # inside output_dir; what a stopped final save leaves
+FINAL_MARKER = "final_model.json"  # written last: the final model in output_dir is complete
+
+
+def begin_final(output_dir: str, is_main: bool) -> str:
+    """The directory the final model is written into before it is moved into ``output_dir``. The model files
+    of ``output_dir`` are never written in place: a save that dies half-way leaves only this directory."""
+    staging = os.path.join(output_dir, FINAL_STAGING)
+    if is_main:
+        shutil.rmtree(staging, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(output_dir, FINAL_MARKER))
+        os.makedirs(staging, exist_ok=True)
+    return staging
+
+
+def finish_final(output_dir: str, step: int) -> None:
+    """Main process only, after every rank has written its part into the staging directory: each file (a
+    folder such as LoRA's ``merged/`` as a whole) is renamed into ``output_dir``, then the marker is written."""
+    staging = os.path.join(output_dir, FINAL_STAGING)
+    _fsync_dir(staging)
+    names = sorted(os.listdir(staging))
+    for name in names:
+        src, dst = os.path.join(staging, name), os.path.join(output_dir, name)
+        if os.path.isdir(src) and os.path.lexists(dst):
+            shutil.rmtree(dst, ignore_errors=True)
+        os.replace(src, dst)
+    os.rmdir(staging)
+    _fsync_dir(output_dir)
+    write_json_atomic(os.path.join(output_dir, FINAL_MARKER), {"step": step, "files": names})
+
+
+def final_model_complete(output_dir: str, step: int) -> bool:
+    """Whether ``output_dir`` holds the complete final model of step ``step`` (its marker names that step and
+    every file it lists is there)."""
+    try:
+        with open(os.path.join(output_dir, FINAL_MARKER), encoding="utf-8") as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        return False
+    files = marker.get("files") if isinstance(marker, dict) else None
+    return (
+        marker.get("step") == step
+        and isinstance(files, list)
+        and all(os.path.exists(os.path.join(output_dir, name)) for name in files)
+    )
 
 
 def _fsync_dir(path: str) -> None:

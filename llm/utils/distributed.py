@@ -59,6 +59,12 @@ def has_accelerator() -> bool:
     return torch.cuda.is_available() or torch.backends.mps.is_available() or bool(npu and npu.is_available())
 
 
+def barrier() -> None:
+    """Wait for every rank (a no-op in a single process)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 

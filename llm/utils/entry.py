@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 from llm.data.pipeline import overlong_results
 from llm.utils.arguments import DataArgument, TrainingArguments
+from llm.utils.checkpoints import begin_final, final_model_complete, finish_final
+from llm.utils.distributed import barrier
 from llm.utils.logging import resume_checkpoint
 from llm.utils.rundir import run_guard
+
+logger = logging.getLogger(__name__)
+
+TRAINER_STATE_NAME = "trainer_state.json"  # transformers.trainer's name for it (not imported: a heavy module)
 
 
 def output_dir_guard(data_args: DataArgument, training_args: TrainingArguments):
@@ -21,6 +28,22 @@ def output_dir_guard(data_args: DataArgument, training_args: TrainingArguments):
         overwrite=training_args.overwrite_output_dir,
         trains=writes_model,
     )
+
+
+def save_final_model(trainer, out: str) -> None:
+    """The model, tokenizer and trainer state into ``out``, never written in place: every rank saves into
+    ``out/final.partial``, then the main process moves the files in and writes ``final_model.json`` last
+    (``llm.utils.checkpoints.begin_final``). A save stopped half-way leaves the previous files whole, and a
+    resumed run that finds no complete final model saves it again."""
+    main = trainer.is_world_process_zero()
+    staging = begin_final(out, main)
+    barrier()
+    trainer.save_model(staging)
+    if main:
+        trainer.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
+    barrier()
+    if main:
+        finish_final(out, trainer.state.global_step)
 
 
 def write_json(path: str, data: dict) -> None:
@@ -49,10 +72,15 @@ def train_and_evaluate(trainer, data_args: DataArgument, training_args: Training
         if trainer.stopped_by_signal:
             return results  # checkpoint saved; resume with resume_from_checkpoint=auto
         if getattr(trainer, "already_complete", False):
-            pass  # resumed at its last step: the final model and state are there already; nothing changes
+            # resumed at its last step: the final model is there already, unless its save was stopped half-way
+            if not final_model_complete(out, trainer.state.global_step):
+                logger.warning(
+                    "%s holds no complete final model (its save did not finish): saving it from the last checkpoint",
+                    out,
+                )
+                save_final_model(trainer, out)
         elif not (data_args.benchmark or data_args.autotuner_benchmark):
-            trainer.save_model(out)
-            trainer.save_state()
+            save_final_model(trainer, out)
         results.update({f"train_{k}" if not k.startswith("train") else k: v for k, v in result.metrics.items()})
     if training_args.do_eval:
         metrics, examples = trainer.evaluate_with_outputs()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import errno
 import sys
 from collections.abc import Callable, Iterable
 
@@ -22,13 +23,26 @@ def run_cli(main: Callable[[list[str] | None], object], argv: list[str] | None =
     meets at a barrier and closes its process group: a rank that exits while another still holds gloo
     connections to it can make that one abort at interpreter exit (SIGABRT, seen under load in CI).
     A run stopped by SIGTERM before it had anything to save (``llm.utils.preemption.StoppedBySignal``) prints
-    one line and exits with 128 + the signal number, without the barrier (the other ranks stop on their own)."""
+    one line and exits with 128 + the signal number, without the barrier (the other ranks stop on their own).
+    A full disk (ENOSPC, while saving a checkpoint or the final model) is one message and exit 2 too: every save
+    is written aside and renamed when complete, so what is left is whole and the run resumes from it."""
     from llm.utils.preemption import StoppedBySignal
 
     try:
         main(argv)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+        print(
+            f"error: no space left on device writing {err.filename or 'a file'}: free space, then run again with "
+            "resume_from_checkpoint auto (an unfinished save is never resumed from; the last complete "
+            "checkpoint is)",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.exit(2)
     except StoppedBySignal as err:
         print(str(err), file=sys.stderr, flush=True)
