@@ -118,6 +118,52 @@ def test_policy_loss_clipping_hand_values():
     assert policy_loss(new, old, adv, torch.ones(1, 2), 0.2, 0.6).loss.item() == pytest.approx((-1.5 + 0.8) / 2)
 
 
+def test_abs_policy_loss_is_the_mean_absolute_per_token_loss():
+    mask = torch.ones(1, 2)
+    # on-policy (ratio 1), advantages +1 and -1: the per-token losses -1 and +1 cancel in the loss, not in abs_loss
+    same = torch.zeros(1, 2)
+    out = policy_loss(same, same, torch.tensor([[1.0, -1.0]]), mask, 0.2, 0.2)
+    assert out.loss.item() == pytest.approx(0.0) and out.abs_loss.item() == pytest.approx(1.0)
+    # the clipped case above: per-token -1.2 and 0.8 -> (1.2 + 0.8) / 2, and over a shared normaliser of 4 tokens
+    new, adv = torch.log(torch.tensor([[1.5, 0.5]])), torch.tensor([[1.0, -1.0]])
+    assert policy_loss(new, same, adv, mask, 0.2, 0.2).abs_loss.item() == pytest.approx(1.0)
+    assert policy_loss(new, same, adv, mask, 0.2, 0.2, normaliser=4.0).abs_loss.item() == pytest.approx(0.5)
+    # masked tokens count for nothing; importance weights scale each term (0.5 * |-1.2|, 2 * |0.8| on 2 tokens)
+    masked = policy_loss(new, same, adv, torch.tensor([[1.0, 0.0]]), 0.2, 0.2)
+    assert masked.abs_loss.item() == pytest.approx(1.2)
+    weighted = policy_loss(new, same, adv, mask, 0.2, 0.2, weights=torch.tensor([[0.5, 2.0]]))
+    assert weighted.abs_loss.item() == pytest.approx((0.6 + 1.6) / 2)
+    assert not out.abs_loss.requires_grad
+
+
+def test_actor_update_reports_mean_absolute_policy_loss():
+    """One on-policy mini-batch of two samples (3 and 2 response tokens) in micro-batches of one: advantages +2 on
+    the first sample's tokens, -1 on the second's. Ratio 1, so the per-token losses are -2 (x3) and +1 (x2):
+    policy_loss (-6 + 2) / 5 = -0.8, abs_policy_loss (6 + 2) / 5 = 1.6 (abs() of the loss would say 0.8)."""
+    from llm.alignment.ppo.optim import TrainableRole
+    from llm.alignment.ppo.records import PolicyBatch, Samples
+    from llm.alignment.ppo.roles import ActorRole
+    from llm.alignment.ppo.update import PolicyUpdate
+    from tests.helpers import tiny_model, tokenizer
+
+    tok, model = tokenizer(), tiny_model(seed=3)
+    samples = Samples(
+        prompt_ids=[[1, 40, 41], [1, 42]],
+        response_ids=[[50, 51, 2], [52, 2]],
+        prompts=["a", "b"],
+        responses=["x", "y"],
+        references=[None, None],
+        ended=torch.tensor([True, True]),
+    )
+    optim = TrainableRole(model, 0.0, 0.0, (0.9, 0.999), 1e-8, 1.0, 0)  # lr 0: the weights stay, ratio stays 1
+    role = ActorRole(model, tok, 1.0, 1, optim, PolicyUpdate(2, 0.2, 0.2))
+    mask = samples.response_mask()
+    advantages = torch.tensor([[2.0, 2.0, 2.0], [-1.0, -1.0, 0.0]]) * mask
+    stats = role.update(PolicyBatch(samples, mask, role.log_probs(samples), advantages, None), [[0, 1]])
+    assert stats.metrics["policy_loss"] == pytest.approx(-0.8, abs=1e-5)
+    assert stats.metrics["abs_policy_loss"] == pytest.approx(1.6, abs=1e-5)
+
+
 def test_value_loss_clipping_hand_values():
     v, old, ret = torch.tensor([[1.0]]), torch.tensor([[0.0]]), torch.tensor([[2.0]])
     # unclipped (1 - 2)^2 = 1; clipped to 0.2: (0.2 - 2)^2 = 3.24 -> 0.5 * 3.24

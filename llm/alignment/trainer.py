@@ -55,6 +55,32 @@ class ItemOutputs:
     counted: torch.Tensor | None = None  # which items count in the loss's denominator (None: all)
 
 
+EVAL_TIMED_BATCHES = 3  # batches timed before an evaluation without an earlier measurement logs its estimate
+TRAIN_INTERVALS_KEPT = 50  # training micro-batch intervals kept for the speed estimate (median: pauses drop out)
+FORWARD_SHARE = 1 / 3  # a forward's share of a forward + backward (the backward costs about two forwards)
+
+
+def duration_text(seconds: float) -> str:
+    """``<1 s``, ``45 s``, ``12 min``, ``1.5 h``: an estimate, in the unit it reads best in."""
+    if seconds < 0.5:
+        return "<1 s"
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def eval_plan_text(batches: int, seconds_per_batch: float | None, source: str = "") -> str:
+    """The line logged before an evaluation: ``evaluation: 150 batches, ~2 min at 0.8 s/batch (source)``."""
+    text = f"evaluation: {batches} batch{'es' if batches != 1 else ''}"
+    if seconds_per_batch is None:
+        return text
+    total = duration_text(batches * seconds_per_batch)
+    text += f", {'' if total.startswith('<') else '~'}{total} at {seconds_per_batch:.3g} s/batch"
+    return f"{text} ({source})" if source else text
+
+
 def _gather_objects(obj: list) -> list:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return obj
@@ -79,6 +105,10 @@ class AlignmentTrainer(Trainer):
         self._sums: dict[str, float] = defaultdict(float)
         self._last_log_time = time.perf_counter()
         self._n_params = sum(p.numel() for p in self.model.parameters())
+        # for the evaluation time estimate: seconds between training micro-batches, an evaluation's s/batch
+        self._train_intervals: list[float] = []
+        self._last_train_batch: float | None = None
+        self._eval_seconds_per_batch: float | None = None
 
     @property
     def stopped_by_signal(self) -> bool:
@@ -242,6 +272,11 @@ class AlignmentTrainer(Trainer):
         return (loss, out) if return_outputs else loss
 
     def _accumulate_train_metrics(self, batch: PackedBatch, out: ItemOutputs) -> None:
+        now = time.perf_counter()
+        if self._last_train_batch is not None:
+            kept = self._train_intervals[-(TRAIN_INTERVALS_KEPT - 1) :]
+            self._train_intervals = [*kept, now - self._last_train_batch]
+        self._last_train_batch = now
         with torch.no_grad():
             for key, value in self.metrics(self.example_outputs(batch, out)).items():
                 self._sums[f"{key}__sum"] += value
@@ -514,16 +549,42 @@ class AlignmentTrainer(Trainer):
         metrics, _ = self.evaluate_with_outputs(eval_dataset, metric_key_prefix)
         return metrics
 
+    def eval_speed_estimate(self) -> tuple[float | None, str]:
+        """Seconds per eval batch before an evaluation starts, and where the number comes from: this run's
+        last evaluation, else the training speed (the median interval between training micro-batches, scaled
+        by the eval / train batch sizes and by a forward's share of a forward + backward), else none yet."""
+        if self._eval_seconds_per_batch is not None:
+            return self._eval_seconds_per_batch, "measured in the last evaluation"
+        if len(self._train_intervals) < 3:
+            return None, ""
+        intervals = sorted(self._train_intervals)
+        per_row = intervals[len(intervals) // 2] / self.args.per_device_train_batch_size
+        return per_row * self.args.per_device_eval_batch_size * FORWARD_SHARE, "estimated from the training speed"
+
     def evaluate_with_outputs(self, eval_dataset=None, metric_key_prefix: str = "eval"):
-        """Metrics over the whole eval set (gathered from all ranks) and the per-example outputs."""
+        """Metrics over the whole eval set (gathered from all ranks) and the per-example outputs. Before it starts,
+        the log says how many batches it runs and, from an earlier measurement, about how long that takes; with
+        none, the estimate follows once the first batches are timed."""
         start = time.perf_counter()
         dataloader = self.get_eval_dataloader(eval_dataset)
+        try:
+            batches: int | None = len(dataloader)
+        except TypeError:  # a stream: no length
+            batches = None
+        speed, source = self.eval_speed_estimate()
+        if batches is not None:
+            logger.info(eval_plan_text(batches, speed, source))
         model = self.model
         was_training = model.training
         model.eval()
         examples = []
+        done = 0
         with torch.no_grad():
             for batch in dataloader:
+                if speed is None and batches is not None and done == EVAL_TIMED_BATCHES < batches:
+                    measured = (time.perf_counter() - start) / done
+                    logger.info(eval_plan_text(batches, measured, f"timed on the first {done} batches"))
+                done += 1
                 batch = self._prepare_inputs(batch)
                 with self.compute_loss_context_manager():
                     out = self.forward_items(model, batch)
@@ -537,6 +598,9 @@ class AlignmentTrainer(Trainer):
                 for ex, loss_sum, n in zip(self.example_outputs(batch, out), sums.tolist(), counts.tolist()):
                     examples.append({**ex, "_loss": loss_sum, "_items": n})
         model.train(was_training)
+        if done:
+            self._eval_seconds_per_batch = (time.perf_counter() - start) / done
+        self._last_train_batch = None  # the next training interval would include this evaluation
         unique = {ex["record"]: ex for ex in _gather_objects(examples)}
         examples = [unique[k] for k in sorted(unique)]
         loss_sum = sum(ex.pop("_loss") for ex in examples)

@@ -25,6 +25,42 @@ class PackedData:
     overlong: OverlongCounter | None = None  # kept / truncated / skipped (streamed: filled by the first pass)
 
 
+def cap_records(records: list, limit: int | None, path: str, field: str = "max_eval_samples") -> list:
+    """The first ``limit`` records (all when None), for a quicker evaluation. A best-of-N group (candidates with
+    ``correct`` sharing a ``group``) that the cut splits is left out whole: its metrics compare the first N
+    candidates of every group for N up to the smallest group, so one group cut to its first candidates would
+    shrink every group's curve to that size. The log says how many records are evaluated, and which groups
+    were left out; a limit that keeps no record stops the run naming the field."""
+    if limit is None or limit >= len(records):
+        return records
+    kept, rest = records[:limit], records[limit:]
+    cut = ({_group(r) for r in rest} & {_group(r) for r in kept}) - {None}
+    if cut:
+        kept = [r for r in kept if _group(r) not in cut]
+        logger.warning(
+            "%s: %s=%d cuts %d best-of-N group(s) (%s): left out whole, so every evaluated group has all its "
+            "candidates; raise %s to take them in",
+            path,
+            field,
+            limit,
+            len(cut),
+            ", ".join(sorted(cut)[:5]) + (" ..." if len(cut) > 5 else ""),
+            field,
+        )
+    if not kept:
+        raise UserError(
+            f"{path}: {field}={limit} keeps no dev record (the first {limit} are all candidates of best-of-N groups "
+            f"that go on past them): raise {field} to the size of the first group at least, or leave it unset"
+        )
+    logger.info("%s: evaluating on %d of %d dev records (%s)", path, len(kept), len(records), field)
+    return kept
+
+
+def _group(record) -> str | None:
+    """The best-of-N group of a candidate record; None for any other record."""
+    return getattr(record, "group", None) if getattr(record, "correct", None) is not None else None
+
+
 def load_packed(
     path: str,
     kind: str,
@@ -34,10 +70,12 @@ def load_packed(
     seed: int,
     probs: str | None = None,
     lazy: bool = False,
+    max_records: int | None = None,
     **reader_kwargs,
 ) -> PackedData:
     """Read, validate, encode and pack one split; ``lazy``: a stream packed on the fly, in constant memory.
-    ``data_args.map_keys`` renames the records' columns as they are read."""
+    ``data_args.map_keys`` renames the records' columns as they are read; ``max_records``: only the first ones
+    (``cap_records``; the dev split's ``max_eval_samples``)."""
 
     def read(lazy_read: bool):
         return load_dataset_records(
@@ -64,7 +102,7 @@ def load_packed(
         )
         rows = StreamedRows(stream, data_args.max_seq_len, data_args.pack, repeat=True, source=path)
         return PackedData(rows, [], None, first_pass)
-    records = list(read(False))
+    records = cap_records(list(read(False)), max_records, path)
     examples, counter = encode_all(records, encode, path)
     if not examples:
         skipped = f" ({counter['skipped']} skipped: {counter.named()})" if counter["skipped"] else ""
@@ -81,7 +119,7 @@ def stream_per_rank(training_args: TrainingArguments) -> None:
     training_args.accelerator_config.dispatch_batches = False
 
 
-SplitBuilder = Callable[..., PackedData]  # build(path, batch_size=, probs=, lazy=) -> PackedData
+SplitBuilder = Callable[..., PackedData]  # build(path, batch_size=, probs=, lazy=, max_records=) -> PackedData
 
 
 def train_and_dev(
@@ -106,7 +144,11 @@ def train_and_dev(
     if training_args.do_eval or training_args.eval_strategy != "no":
         if not data_args.dev_dataset_path:
             raise UserError("evaluation is on (do_eval or eval_strategy) but dev_dataset_path is not set")
-        dev = build(data_args.dev_dataset_path, batch_size=training_args.per_device_eval_batch_size)
+        dev = build(
+            data_args.dev_dataset_path,
+            batch_size=training_args.per_device_eval_batch_size,
+            max_records=data_args.max_eval_samples,
+        )
         data_args.overlong["eval"] = dev.overlong
     return train, dev
 

@@ -36,15 +36,33 @@ def single_token_id(
     return ids[0]
 
 
+# Placeholders worth suggesting, in order: Math-Shepherd's own, then rare symbols that many vocabularies hold whole.
+PLACEHOLDER_CANDIDATES = ("ки", "§", "†", "¶", "∎", "→")
+
+
+def usable_placeholder(tokenizer: PreTrainedTokenizerBase, text: str) -> bool:
+    """``text`` works as the PRM placeholder of this tokenizer: one token encoded alone, and still that token
+    at the start of the next step's text, ``"<placeholder>\n<step>"`` (what ``prm_response_ids`` checks)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1:
+        return False
+    return tokenizer.encode(f"{text}\nStep", add_special_tokens=False)[:1] == ids
+
+
 def placeholder_token_id(tokenizer: PreTrainedTokenizerBase, placeholder: str, field: str) -> int:
-    """Id of the PRM step placeholder, which must be one token when encoded alone."""
-    return single_token_id(
-        tokenizer,
-        placeholder,
-        field,
-        fix="set add_placeholder_token: true to add it to the tokenizer as a new special token (the model gets "
-        "a new embedding row, learnt in training), or choose a placeholder that is one token (e.g. 'ки')",
+    """Id of the PRM step placeholder, which must be one token when encoded alone. When it is not, the message
+    suggests a placeholder that is one token in *this* tokenizer (the first of ``PLACEHOLDER_CANDIDATES`` that
+    passes ``usable_placeholder``), besides adding it with ``add_placeholder_token``."""
+    fix = (
+        "set add_placeholder_token: true to add it to the tokenizer as a new special token (the model gets a new "
+        "embedding row, learnt in training)"
     )
+    found = next((c for c in PLACEHOLDER_CANDIDATES if c != placeholder and usable_placeholder(tokenizer, c)), None)
+    if found is not None:
+        fix += f", or choose a placeholder that is one token of this tokenizer, e.g. {field}: {found!r}"
+    else:
+        fix += f" (none of {', '.join(map(repr, PLACEHOLDER_CANDIDATES))} is one token of this tokenizer)"
+    return single_token_id(tokenizer, placeholder, field, fix=fix)
 
 
 def add_placeholder_token(tokenizer: PreTrainedTokenizerBase, placeholder: str) -> bool:
@@ -67,6 +85,32 @@ def start_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """What the tokenizer puts before a text: [BOS], or nothing (Qwen)."""
     ids = tokenizer("")["input_ids"]
     return ids[:1] if ids and ids[0] == tokenizer.bos_token_id else []
+
+
+def resolve_chat_template(
+    setting: bool | None, tokenizer: PreTrainedTokenizerBase, field: str = "use_chat_template"
+) -> bool:
+    """Whether prompts are rendered with the tokenizer's chat template: ``setting`` when the config gives it, else
+    (None, the default) exactly when the tokenizer has a template, so an instruct model is fed the format it was
+    tuned on rather than plain text. Called once where a script loads its tokenizer; the choice is logged, and
+    true without a template stops the run here, naming ``field``."""
+    has_template = getattr(tokenizer, "chat_template", None) is not None
+    if setting is None:
+        why = (
+            f"the tokenizer has a chat template; set {field} false for plain text"
+            if has_template
+            else "the tokenizer has no chat template"
+        )
+        choice = has_template
+    else:
+        if setting and not has_template:
+            raise UserError(
+                f"{field} is true but the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat_template: "
+                f"set {field} false, or leave it unset (it then follows the tokenizer)"
+            )
+        why, choice = "set in the config", setting
+    logger.info("%s: %s (%s)", field, "on" if choice else "off", why)
+    return choice
 
 
 def render_prompt(messages: list[dict], tokenizer: PreTrainedTokenizerBase, use_chat_template: bool) -> list[int]:

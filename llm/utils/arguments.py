@@ -9,6 +9,7 @@ to change, instead of being silently ignored.
 from __future__ import annotations
 
 import json
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,8 +141,20 @@ class DataArgument:
     lazy: bool = field(
         default=False, metadata={"help": "Stream the training file instead of loading it (no shuffling)."}
     )
-    use_chat_template: bool = field(
-        default=False, metadata={"help": "Format prompts with the tokenizer's chat template."}
+    use_chat_template: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Format prompts with the tokenizer's chat template (true) or as plain text (false); null "
+            "(default): on exactly when the tokenizer has a chat template. The choice is logged."
+        },
+    )
+    max_eval_samples: int | None = field(
+        default=None,
+        metadata={
+            "help": "Evaluate on the first N dev records only (every evaluation: during training, the final one, "
+            "ProcessBench and best-of-N); null: all. A best-of-N group the cut splits is left out whole.",
+            "min": 1,
+        },
     )
     benchmark: bool = field(default=False, metadata={"help": "Timing run: train only, no evaluation, no saving."})
     autotuner_benchmark: bool = field(default=False, metadata={"help": "Same as benchmark (PaddleNLP autotuner)."})
@@ -367,7 +380,8 @@ def parse_command_line(cli: list[str], annotations: dict[str, Any], paddle: Mapp
     (``--do_train``) means true. PaddleNLP's names (``--max_length``) are accepted as in files."""
 
     def bare(name: str) -> str | None:
-        return "true" if annotations.get(name) is bool else None
+        annotation = annotations.get(name)
+        return "true" if annotation is bool or bool in typing.get_args(annotation) else None
 
     values: dict[str, Any] = {}
     for name, text in command_line_pairs(cli, bare):

@@ -36,6 +36,7 @@ _EXCLUDED = {
     "overwrite_output_dir",
     "resume_from_checkpoint",
     "dev_dataset_path",
+    "max_eval_samples",  # how much of the dev set is evaluated
     "use_flash_attention",
     "flash_mask",
     "recompute_granularity",
@@ -100,6 +101,7 @@ _PPO_EXCLUDED = {
     "training.save_total_limit",
     "training.report_to",
     "training.disable_tqdm",
+    "training.log_samples",
     "training.gradient_checkpointing",
     "training.adam_offload",
     "training.micro_batch_size",
@@ -141,11 +143,41 @@ def run_fingerprint(*configs: Any) -> Fingerprint:
 
 def fingerprint_values(*configs: Any) -> dict[str, Any]:
     if len(configs) == 1 and _is_ppo_config(configs[0]):
-        return _ppo_values(configs[0])
+        return _resolved_chat_template(_ppo_values(configs[0]))
     values: dict[str, Any] = {}
     for args in configs:
         values.update(_flat_values(args))
-    return dict(sorted(values.items()))
+    return _resolved_chat_template(dict(sorted(values.items())))
+
+
+# use_chat_template -> the fields naming the tokenizer whose chat template decides it when it is unset (None)
+_CHAT_TEMPLATE_TOKENIZER = {
+    "use_chat_template": ("tokenizer_name_or_path", "model_name_or_path"),
+    "data.use_chat_template": ("actor_rollout.tokenizer_name_or_path", "actor_rollout.model_name_or_path"),
+}
+
+
+def _resolved_chat_template(values: dict[str, Any]) -> dict[str, Any]:
+    """``use_chat_template`` as the run uses it: unset (None) means "when the tokenizer has a chat template", so
+    the value fingerprinted is that answer. The builds store it back into the arguments, so this only loads the
+    tokenizer when the fingerprint comes first (PPO's resume check). A tokenizer without a template gives false,
+    the old default: checkpoints of such runs saved before the default changed still match."""
+    for key, sources in _CHAT_TEMPLATE_TOKENIZER.items():
+        if key in values and values[key] is None:
+            path = next((values[s] for s in sources if isinstance(values.get(s), str) and values[s]), None)
+            values[key] = _has_chat_template(path) if path else None
+    return values
+
+
+def _has_chat_template(path: str) -> bool | None:
+    """Whether the tokenizer at ``path`` has a chat template; None when it cannot be loaded (the run then stops
+    when it loads it, with the message that says why)."""
+    from llm.utils.modeling import load_tokenizer
+
+    try:
+        return getattr(load_tokenizer(path), "chat_template", None) is not None
+    except Exception:  # noqa: BLE001 - reported by the run's own tokenizer load, not here
+        return None
 
 
 def differing_fields(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:

@@ -14,6 +14,7 @@ from llm.alignment.dpo.trainer import DPOTrainer, collate_pairs
 from llm.alignment.lm import load_causal_lm
 from llm.alignment.sft.build import encode_config
 from llm.data.pipeline import PackedData, load_packed, plan_summary, train_and_dev
+from llm.data.tokenize import resolve_chat_template
 from llm.data.tokenize_lm import encode_pair_for_lm
 from llm.utils.arguments import DataArgument, recompute_mode
 from llm.utils.attention import kernel_for
@@ -34,6 +35,7 @@ def build_pair_data(
     seed: int,
     probs: str | None = None,
     lazy: bool = False,
+    max_records: int | None = None,
 ) -> PackedData:
     encode = functools.partial(
         encode_pair_for_lm,
@@ -41,7 +43,7 @@ def build_pair_data(
         cfg=encode_config(data_args),
         prompt_targets=loss_spec(loss_type).nll_term,  # ORPO's NLL term also covers the prompt tokens
     )
-    return load_packed(path, "pair", encode, data_args, batch_size, seed, probs, lazy)
+    return load_packed(path, "pair", encode, data_args, batch_size, seed, probs, lazy, max_records)
 
 
 def build_reference(model_args: DPOModelArgument, training_args: DPOTrainingArguments, tokenizer, policy):
@@ -70,6 +72,8 @@ def build_dpo_trainer(
         raise UserError("precompute_ref_log_probs needs the data in memory: set lazy false (or precompute false)")
     check_lora_arguments(model_args, training_args)
     tokenizer = load_tokenizer(model_args.tokenizer_name_or_path or model_args.model_name_or_path)
+    # the effective choice, for the encoders and the run fingerprint (which reads data_args)
+    data_args.use_chat_template = resolve_chat_template(data_args.use_chat_template, tokenizer)
     recompute = recompute_mode(model_args, training_args)
     model = load_causal_lm(
         model_args.model_name_or_path,

@@ -296,6 +296,9 @@ class PolicyLoss:
     loss: torch.Tensor  # scalar, sum over tokens / normaliser
     clipfrac: torch.Tensor
     approx_kl: torch.Tensor
+    # sum of |per-token loss| / normaliser, no gradient: how large the surrogate's terms are, which ``loss`` hides
+    # when positive and negative advantages cancel (on-policy, ratio 1, ``loss`` is -mean(A): 0 after whitening)
+    abs_loss: torch.Tensor
 
 
 def policy_loss(
@@ -312,7 +315,8 @@ def policy_loss(
 
     Per token ``max(-A r, -A clip(r, 1 - low, 1 + high))``, times ``weights`` when given (truncated importance
     weights, ``truncated_is_weights``); summed over masked tokens and divided by ``normaliser`` (default: the
-    mask's token count), so micro-batches can share one global count.
+    mask's token count), so micro-batches can share one global count. ``abs_loss`` is the same sum over
+    ``|per-token loss|`` (a statistic, detached).
     """
     log_ratio = logprobs - old_logprobs
     ratio = log_ratio.exp()
@@ -326,6 +330,7 @@ def policy_loss(
         loss=masked_sum(per_token, mask) / denom,
         clipfrac=masked_mean((loss2 > loss1).float(), mask),
         approx_kl=0.5 * masked_mean(log_ratio.square(), mask),
+        abs_loss=masked_sum(per_token.detach().abs(), mask) / denom,
     )
 
 

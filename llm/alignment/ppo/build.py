@@ -26,6 +26,7 @@ from llm.alignment.ppo.sections import PPOConfig
 from llm.alignment.ppo.trainer import PPOTrainer
 from llm.alignment.ppo.update import PolicyUpdate, ValueUpdate
 from llm.data.readers import load_dataset_records
+from llm.data.tokenize import resolve_chat_template
 from llm.utils.errors import UserError
 from llm.utils.modeling import load_tokenizer
 from llm.utils.paths import resolve_paths
@@ -192,9 +193,10 @@ def load_prompts(c: PPOConfig, map_keys: dict[str, str] | None = None) -> list[P
     paths = resolve_paths(d.train_dataset_path, "data.train_dataset_path", c.source or "config")
     keys = d.map_keys if map_keys is None else map_keys
     records = list(load_dataset_records(paths, "prompt", probs=d.dataset_probs, seed=t.seed, map_keys=keys))
-    return prompts_from_records(
-        records, actor_tokenizer(c), c.actor_rollout.max_prompt_length, c.data.use_chat_template
-    )
+    tokenizer = actor_tokenizer(c)
+    # the effective choice, kept in the config for the run fingerprint (unset: the actor tokenizer decides)
+    d.use_chat_template = resolve_chat_template(d.use_chat_template, tokenizer, "data.use_chat_template")
+    return prompts_from_records(records, tokenizer, c.actor_rollout.max_prompt_length, d.use_chat_template)
 
 
 def build_from_models(

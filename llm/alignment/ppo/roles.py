@@ -223,6 +223,7 @@ class ActorRole(PolicyModel):
                 share = m.sum() / tokens
                 return {
                     "policy_loss": out.loss.item(),
+                    "abs_policy_loss": out.abs_loss.item(),  # normalised by the mini-batch's tokens, as the loss
                     "clipfrac": out.clipfrac.item() * share.item(),
                     "approx_kl": out.approx_kl.item() * share.item(),
                     "entropy": ent.item(),
@@ -232,8 +233,6 @@ class ActorRole(PolicyModel):
             return loss, stats
 
         steps, epochs = run_update(self, batch.mask, orders, u.mini_batch_size, self.NAMES, loss_fn)
-        for totals in steps:
-            totals["abs_policy_loss"] = abs(totals["policy_loss"])
         metrics = {k: sum(t[k] for t in steps) / len(steps) for k in self.NAMES} if steps else {}
         return UpdateStats(metrics, [(e, t["policy_loss"]) for e, t in zip(epochs, steps)])
 

@@ -75,6 +75,13 @@ class TrainingSection:
     )
     report_to: str = "tensorboard"
     disable_tqdm: bool = False
+    log_samples: int = _f(
+        4,
+        "every logging_steps step, the step's first this many samples (prompt, decoded response, score, reference, "
+        "ended with EOS, token length) are appended to output_dir/samples.jsonl and, with report_to tensorboard, "
+        "shown as text in TensorBoard; 0: none",
+        low=0,
+    )
     micro_batch_size: int = _f(8, "samples per forward (packed into one row) of every role", low=1)
 
 
@@ -258,7 +265,11 @@ class DataSection:
     train_dataset_path: str | None = None
     dataset_probs: str | None = None
     rollout_batch_size: int = _f(8, "prompts per step", low=1)
-    use_chat_template: bool = False
+    use_chat_template: bool | None = _f(
+        None,
+        "render the prompts with the actor tokenizer's chat template (true) or as plain text (false); null: on "
+        "exactly when that tokenizer has a chat template (logged)",
+    )
     shuffle: bool = _f(True, "draw the prompts in a seeded random order per pass; false: in file order")
     map_keys: dict[str, str] | None = field(
         default=None,

@@ -74,6 +74,63 @@ class Experience:
     returns: torch.Tensor | None  # (B, T), GAE only
 
 
+SAMPLES_FILE = "samples.jsonl"
+
+
+def sample_rows(exp: Experience, step: int, limit: int) -> list[dict]:
+    """The first ``limit`` samples of a step as JSON-able rows: what the policy was asked and answered and what
+    it was paid, so a run can be read, not only its means (``score`` as the reward returned it, before any
+    penalty, normalisation or clipping; ``reward`` the summed per-token reward the advantages saw)."""
+    s, samples = exp.scored, exp.scored.samples
+    rows = []
+    for i in range(min(limit, len(samples))):
+        row = {
+            "step": step,
+            "sample": i,
+            "prompt": samples.prompts[i],
+            "response": samples.responses[i],
+            "response_ids": samples.response_ids[i],
+            "response_length": len(samples.response_ids[i]),
+            "ended": bool(samples.ended[i]),
+            "score": s.raw_scores[i].item(),
+            "score_shaped": s.scores[i].item(),
+            "reward": exp.rewards[i].sum().item(),
+            "kl": s.kl[i].sum().item(),
+        }
+        if s.dense is not None:
+            row["step_reward"] = s.dense[i].sum().item()
+        if samples.references[i] is not None:
+            row["reference"] = samples.references[i]
+        rows.append(row)
+    return rows
+
+
+def samples_markdown(rows: list[dict]) -> str:
+    """The rows as TensorBoard text (markdown): texts in indented code blocks, so nothing in them renders."""
+
+    def block(text: str) -> str:
+        return "\n".join("    " + line for line in (text or "(empty)").splitlines() or [""])
+
+    parts = []
+    for r in rows:
+        head = (
+            f"**sample {r['sample']}**: score {r['score']:.4g}, reward {r['reward']:.4g}, "
+            f"{r['response_length']} tokens, {'ended with EOS' if r['ended'] else 'no EOS'}"
+        )
+        parts.append(f"{head}\n\nprompt:\n\n{block(r['prompt'])}\n\nresponse:\n\n{block(r['response'])}")
+        if "reference" in r:
+            parts[-1] += f"\n\nreference:\n\n{block(r['reference'])}"
+    return "\n\n---\n\n".join(parts)
+
+
+def _sample_step(line: str) -> float:
+    """The step of a ``samples.jsonl`` line; a line that is not one of ours counts as after every step."""
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
+
+
 class PPOTrainer:
     """The PPO loop over the roles. ``tokenizer`` is the actor's (prompts and responses are its ids);
     ``rollout_copy`` is a separate generation copy of the actor (Ray, own devices), synced after each
@@ -323,6 +380,7 @@ class PPOTrainer:
     def train(self) -> list[dict]:
         t = self.c.training
         self._open_writer()
+        self._trim_samples_file()
         from tqdm.auto import tqdm
 
         # SIGTERM (llm.utils.preemption): before this run's first step has completed it stops the run at once;
@@ -337,6 +395,7 @@ class PPOTrainer:
                 bar.set_postfix(score=f"{metrics['score']:.3f}", kl=f"{metrics['kl']:.3f}")
                 if self.step % t.logging_steps == 0 or self.step == t.max_steps:
                     self.log(metrics)
+                    self.log_samples(self.last_experience)
                 saved = bool(t.save_steps and self.step % t.save_steps == 0)
                 if saved:
                     self.save_checkpoint()
@@ -382,6 +441,40 @@ class PPOTrainer:
         if self.writer is not None:
             for k, v in metrics.items():
                 self.writer.add_scalar(f"ppo/{k}", v, self.step)
+
+    @property
+    def samples_path(self) -> str:
+        return os.path.join(self.c.training.output_dir, SAMPLES_FILE)
+
+    def log_samples(self, exp: Experience) -> None:
+        """``training.log_samples`` of this step's samples to ``samples.jsonl`` (one JSON object per sample) and,
+        with TensorBoard, as text. The trainer loop holds every sample here (with Ray too: the roles return them
+        to the driver), so only this process writes; under a process group only its first rank would."""
+        from llm.alignment.ppo.fsdp import first_rank
+
+        limit = self.c.training.log_samples
+        if not limit or not first_rank():
+            return
+        rows = sample_rows(exp, self.step, limit)
+        os.makedirs(self.c.training.output_dir, exist_ok=True)
+        with open(self.samples_path, "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        if self.writer is not None:
+            self.writer.add_text("ppo/samples", samples_markdown(rows), self.step)
+
+    def _trim_samples_file(self) -> None:
+        """Before training: ``samples.jsonl`` keeps only the steps this run has (none for a fresh run, those up to
+        the checkpoint when resuming), so a run that trains on after a stop, or afresh in the same output_dir,
+        never lists a step twice."""
+        path = self.samples_path
+        if not os.path.isfile(path):
+            return
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+        kept = [line for line in lines if _sample_step(line) <= self.step]
+        if len(kept) != len(lines):
+            with open(path, "w", encoding="utf-8") as f:
+                f.writelines(kept)
 
     def _save_models(self, directory: str, with_optimizer: bool) -> None:
         self.actor.save(os.path.join(directory, "actor"), with_optimizer)

@@ -23,6 +23,7 @@ from llm.data.tokenize import (
     encode_prm,
     placeholder_token_id,
     render_prompt,
+    resolve_chat_template,
     single_token_id,
     start_ids,
 )
@@ -104,12 +105,14 @@ def build_reward_data(
     probs: str | None = None,
     lazy: bool = False,
     dev_path: str | None = None,
+    max_records: int | None = None,
 ) -> PackedData:
-    """Read, validate, tokenise and pack one split (``lazy``: a stream packed on the fly). An ORM reads its
-    dev split (``path == dev_path``) as ``orm_eval`` records: pairs and best-of-N candidates."""
+    """Read, validate, tokenise and pack one split (``lazy``: a stream packed on the fly; ``max_records``: the
+    first ones only). An ORM reads its dev split (``path == dev_path``) as ``orm_eval`` records: pairs and
+    best-of-N candidates."""
     tokens = reward_tokens(model_args)
     cfg = EncodeConfig(
-        data_args.max_seq_len, data_args.max_prompt_len, data_args.overlong_policy, data_args.use_chat_template
+        data_args.max_seq_len, data_args.max_prompt_len, data_args.overlong_policy, bool(data_args.use_chat_template)
     )
     if process_reward:
         placeholder_id = placeholder_token_id(tokenizer, model_args.placeholder_token, "placeholder_token")
@@ -135,6 +138,7 @@ def build_reward_data(
         seed,
         probs,
         lazy,
+        max_records,
         reward_tokens=tokens,
         placeholder=model_args.placeholder_token,
     )
@@ -230,6 +234,8 @@ def build_reward_trainer(
     check_evaluation_settings(training_args)
     check_lora_arguments(model_args, training_args)
     tokenizer = load_tokenizer(model_args.tokenizer_name_or_path or model_args.model_name_or_path)
+    # the effective choice, for the encoders and the run fingerprint (which reads data_args)
+    data_args.use_chat_template = resolve_chat_template(data_args.use_chat_template, tokenizer)
     added = training_args.process_reward and model_args.add_placeholder_token
     added = added and add_placeholder_token(tokenizer, model_args.placeholder_token)
     if added and model_args.lora:

@@ -11,7 +11,7 @@ from llm.alignment.lm import load_causal_lm
 from llm.alignment.sft.trainer import SFTTrainer
 from llm.data.packing import collate
 from llm.data.pipeline import PackedData, load_packed, plan_summary, train_and_dev
-from llm.data.tokenize import EncodeConfig
+from llm.data.tokenize import EncodeConfig, resolve_chat_template
 from llm.data.tokenize_lm import encode_sft
 from llm.utils.arguments import DataArgument, ModelArgument, TrainingArguments, recompute_mode
 from llm.utils.attention import kernel_for
@@ -23,8 +23,9 @@ logger = logging.getLogger(__name__)
 
 
 def encode_config(data_args: DataArgument) -> EncodeConfig:
+    """The encoders' settings; ``use_chat_template`` as the build resolved it (unset: off, the encoders' default)."""
     return EncodeConfig(
-        data_args.max_seq_len, data_args.max_prompt_len, data_args.overlong_policy, data_args.use_chat_template
+        data_args.max_seq_len, data_args.max_prompt_len, data_args.overlong_policy, bool(data_args.use_chat_template)
     )
 
 
@@ -36,9 +37,10 @@ def build_sft_data(
     seed: int,
     probs: str | None = None,
     lazy: bool = False,
+    max_records: int | None = None,
 ) -> PackedData:
     encode = functools.partial(encode_sft, tokenizer=tokenizer, cfg=encode_config(data_args))
-    return load_packed(path, "sft", encode, data_args, batch_size, seed, probs, lazy)
+    return load_packed(path, "sft", encode, data_args, batch_size, seed, probs, lazy, max_records)
 
 
 def build_sft_trainer(
@@ -46,6 +48,8 @@ def build_sft_trainer(
 ) -> tuple[SFTTrainer, PackedData | None, PackedData | None]:
     check_lora_arguments(model_args, training_args)
     tokenizer = load_tokenizer(model_args.tokenizer_name_or_path or model_args.model_name_or_path)
+    # the effective choice, for the encoders and the run fingerprint (which reads data_args)
+    data_args.use_chat_template = resolve_chat_template(data_args.use_chat_template, tokenizer)
     recompute = recompute_mode(model_args, training_args)
     model = load_causal_lm(
         model_args.model_name_or_path,
