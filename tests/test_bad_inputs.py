@@ -562,3 +562,25 @@ def test_prm_record_skipped_is_named(tmp_path, capsys):
     assert "long_prm.jsonl record 1" in err, err[-3000:]
     with open(os.path.join(tmp_path, "out_reward", "all_results.json"), encoding="utf-8") as f:
         assert json.load(f)["train_overlong_skipped"] >= 1
+
+
+# --- settings that would train nothing (issue 22) --------------------------------------------------------
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        ({"max_steps": 0}, "max_steps is 0: nothing would be trained"),
+        ({"max_steps": -1, "num_train_epochs": 0}, "num_train_epochs is 0 (and max_steps unset)"),
+        ({"learning_rate": 0}, "learning_rate is 0: training would change nothing"),
+    ],
+)
+def test_settings_that_train_nothing_stop_instead_of_saving_an_untrained_model(tmp_path, capsys, overrides, needle):
+    err = exits_2(reward_main, [flat_config(tmp_path, "reward", **overrides)], capsys)
+    assert needle in err, err
+    assert not (tmp_path / "out_reward").exists() or not any((tmp_path / "out_reward").glob("*.safetensors"))
+
+
+def test_ppo_learning_rate_0_stops(tmp_path, capsys):
+    err = exits_2(ppo_main, [ppo_config(tmp_path, actor_rollout={"learning_rate": 0})], capsys)
+    assert "the actor_rollout learning_rate is 0" in err, err
+    err = exits_2(ppo_main, [ppo_config(tmp_path, critic={"learning_rate": 0})], capsys)
+    assert "the critic learning_rate is 0" in err, err

@@ -350,3 +350,52 @@ def test_a_second_sigterm_exits_at_once(tmp_path):
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 128 + signal.SIGTERM
     assert "a second SIGTERM: exiting at once, nothing saved" in err
+
+
+# --- Ctrl-C (issue 22, item 1) ---------------------------------------------------------------------------
+def interrupted_run(cmd, started: str, timeout=180):
+    """Run ``cmd``, send SIGINT (Ctrl-C) once an output line holds ``started``; (returncode, output)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if started in line:
+            proc.send_signal(signal.SIGINT)
+            break
+    rest, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, "".join(lines) + rest
+
+
+@pytest.mark.parametrize("kind", ["sft", "ppo"])
+def test_ctrl_c_saves_after_the_step_and_exits_130_saying_how_to_resume(tmp_path, kind):
+    """Ctrl-C behaves as SIGTERM does (finish the step, save), then exits 130 with one line, no traceback."""
+    out = tmp_path / "out"
+    if kind == "sft":
+        cmd = command(kind, out, "--do_eval", "false", "--logging_steps", "1", "--save_strategy", "no")
+        cmd += ["--disable_tqdm", "true"]
+        code, err = interrupted_run(cmd, "'loss'")
+        option = "--resume_from_checkpoint"
+    else:
+        path = ppo_config(tmp_path, training={"output_dir": str(out), "max_steps": 12, "save_steps": 0})
+        code, err = interrupted_run([sys.executable, os.path.join(ROOT, "llm", "run_ppo.py"), path], '"step": 1,')
+        option = "--training.resume_from_checkpoint"
+    assert code == 130, err[-3000:]
+    checkpoints = sorted(out.glob("checkpoint-*"))
+    assert len(checkpoints) == 1, err[-3000:]
+    step = int(checkpoints[0].name.split("-")[1])
+    assert f"stopped by signal 2 (Ctrl-C) after step {step}: saved {checkpoints[0]}; resume with {option} auto" in err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert not (out / LOCK_NAME).exists()
+
+
+@pytest.mark.parametrize("kind", ["prm", "ppo"])
+def test_resume_auto_with_nothing_to_resume_stops_before_loading(tmp_path, kind):
+    out = tmp_path / "empty"
+    out.mkdir()
+    option = "--training.resume_from_checkpoint" if kind == "ppo" else "--resume_from_checkpoint"
+    proc = run(command(kind, out, option, "auto"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    field = "training." if kind == "ppo" else ""
+    assert f"{field}resume_from_checkpoint=auto: {field}output_dir {out} holds no complete checkpoint" in proc.stderr
+    assert f"run without {field}resume_from_checkpoint to start afresh" in proc.stderr
+    assert "initialised" not in proc.stderr and "Traceback" not in proc.stderr  # no model was built

@@ -300,6 +300,19 @@ def validate_arguments(model_args: ModelArgument, data_args: DataArgument, train
         raise UserError("dataset_probs needs train_dataset_path with several comma-separated files")
     if data_args.lazy and training_args.max_steps <= 0 and training_args.do_train:
         raise UserError("lazy streaming has no length: set max_steps > 0")
+    if training_args.do_train:
+        # each would save an untrained model and exit 0 (train_loss 0): say so instead
+        if training_args.max_steps == 0:
+            raise UserError(
+                "max_steps is 0: nothing would be trained; set max_steps > 0, or -1 to train for num_train_epochs"
+            )
+        if training_args.max_steps < 0 and training_args.num_train_epochs == 0:
+            raise UserError("num_train_epochs is 0 (and max_steps unset): nothing would be trained; set either above 0")
+        if training_args.learning_rate == 0:
+            raise UserError(
+                "learning_rate is 0: training would change nothing; give a positive learning_rate, or set do_train "
+                "false to only evaluate"
+            )
     check_output_dir(training_args.output_dir)  # a file there or an unwritable directory: stop now, not at a save
     if data_args.benchmark or data_args.autotuner_benchmark:
         training_args.do_eval = False

@@ -7,6 +7,7 @@ import logging
 import os
 
 from llm.data.pipeline import overlong_results
+from llm.utils import preemption
 from llm.utils.arguments import DataArgument, TrainingArguments
 from llm.utils.checkpoints import begin_final, final_model_complete, finish_final
 from llm.utils.distributed import barrier
@@ -69,8 +70,11 @@ def train_and_evaluate(trainer, data_args: DataArgument, training_args: Training
     results: dict = {}
     if training_args.do_train:
         result = trainer.train(resume_from_checkpoint=resume_checkpoint(training_args))
-        if trainer.stopped_by_signal:
-            return results  # checkpoint saved; resume with resume_from_checkpoint=auto
+        if trainer.stopped_by_signal:  # checkpoint saved: say so (Ctrl-C: exit 130 from here)
+            step = trainer.state.global_step
+            checkpoint = os.path.join(out, f"checkpoint-{step}")
+            preemption.stopped_after_step(preemption.stop_requested(), step, checkpoint, "--resume_from_checkpoint")
+            return results
         if getattr(trainer, "already_complete", False):
             # resumed at its last step: the final model is there already, unless its save was stopped half-way
             if not final_model_complete(out, trainer.state.global_step):

@@ -47,6 +47,9 @@ def run_cli(main: Callable[[list[str] | None], object], argv: list[str] | None =
     except StoppedBySignal as err:
         print(str(err), file=sys.stderr, flush=True)
         sys.exit(err.exit_code)
+    except KeyboardInterrupt:  # Ctrl-C before the run's own handler is installed (imports, argument parsing)
+        print("interrupted (Ctrl-C) before the run started: nothing to save", file=sys.stderr, flush=True)
+        sys.exit(130)
     close_process_group()
 
 

@@ -1,4 +1,5 @@
-"""SIGTERM: finish the current optimizer step, save a checkpoint, stop (exit 0).
+"""SIGTERM and Ctrl-C (SIGINT): finish the current optimizer step, save a checkpoint, stop (SIGTERM: exit 0;
+Ctrl-C: exit 130, with one line saying how to resume).
 
 Schedulers (Slurm, Kubernetes, torchrun's elastic agent) send SIGTERM before killing a job. The
 checkpoint holds model, optimizer, scheduler, RNG and the data position, so `resume_from_checkpoint`
@@ -10,7 +11,9 @@ What a SIGTERM does depends on where the run is:
   inside the first step): there is nothing new to save, so the run stops at once: ``StoppedBySignal``
   is raised where the process is (a blocking read included), the lock on ``output_dir`` is released,
   and ``run_cli`` prints one line and exits with 128 + the signal number (143 for SIGTERM);
-- after a step has completed: the current step finishes, a checkpoint is saved, the run exits 0;
+- after a step has completed: the current step finishes, a checkpoint is saved, one line names it and how to
+  resume (``stopped_after_step``); the run exits 0 after SIGTERM (a scheduler's request, honoured), 130 after
+  Ctrl-C (an interrupted command, as shells expect);
 - after training (the final save, evaluation): the run finishes them;
 - a second signal always exits at once (the same exit code), saving nothing; one within a second of the
   first is the same request (``timeout`` sends SIGTERM to its child and then to the whole process group).
@@ -36,7 +39,7 @@ from transformers import TrainerCallback
 
 logger = logging.getLogger(__name__)
 
-SIGNALS = (signal.SIGTERM,)
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 STARTING, TRAINING, FINISHING = "starting", "training", "finishing"
 
@@ -162,6 +165,18 @@ def step_completed() -> None:
 
 def training_finished() -> None:
     _state.phase = FINISHING
+
+
+def stopped_after_step(signum: int, step: int, checkpoint: str | None, resume_option: str) -> None:
+    """A run stopped by ``signum`` after saving ``checkpoint`` at ``step``: one line saying so and how to resume.
+    After SIGTERM the run then ends normally (exit 0); after Ctrl-C this raises ``StoppedBySignal`` (exit 130)."""
+    name = " (Ctrl-C)" if signum == signal.SIGINT else ""
+    message = (
+        f"stopped by signal {signum}{name} after step {step}: saved {checkpoint}; resume with {resume_option} auto"
+    )
+    if signum == signal.SIGINT:
+        raise StoppedBySignal(signum, message)
+    logger.warning("%s", message)
 
 
 def stop_requested() -> int | None:

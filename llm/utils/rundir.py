@@ -42,6 +42,7 @@ from collections.abc import Iterator
 from typing import Self
 
 from llm.utils import preemption
+from llm.utils.checkpoints import checkpoint_dirs, checkpoint_problem
 from llm.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -281,6 +282,20 @@ def _share_outcome(error: str | None) -> str | None:
     return box[0]
 
 
+def check_something_to_resume(output_dir: str, resume: str | None, field: str = "output_dir") -> None:
+    """``resume_from_checkpoint: auto`` with no checkpoint in ``output_dir`` stops here, before any model or data
+    loads, saying how to start instead (a named checkpoint directory is checked where it is read)."""
+    if resume is None or str(resume).lower() not in ("true", "auto", "last"):
+        return
+    if any(checkpoint_problem(path) is None for _, path in checkpoint_dirs(output_dir)):
+        return
+    section = field.rpartition(".")[0] + "." if "." in field else ""
+    raise UserError(
+        f"{section}resume_from_checkpoint={resume}: {field} {output_dir} holds no complete checkpoint to resume "
+        f"from: run without {section}resume_from_checkpoint to start afresh there"
+    )
+
+
 @contextlib.contextmanager
 def run_guard(
     output_dir: str,
@@ -301,6 +316,7 @@ def run_guard(
                 lock = RunLock(output_dir).acquire()
                 if trains:
                     check_not_another_runs(output_dir, resume, overwrite, field)
+                    check_something_to_resume(output_dir, resume, field)
             except UserError as err:
                 error = str(err)
             except Exception as err:  # noqa: BLE001 - the other ranks must never wait for an outcome that never comes

@@ -204,6 +204,12 @@ def validate_ppo_config(c: PPOConfig, path: str) -> None:
         raise UserError(f"{path}: actor_rollout.model_name_or_path is required (the SFT model)")
     if not c.data.train_dataset_path:
         raise UserError(f"{path}: data.train_dataset_path is required (a prompt file)")
+    for role in ("actor_rollout", "critic") if c.uses_critic else ("actor_rollout",):
+        if c.lr(role) == 0:
+            raise UserError(
+                f"{path}: the {role} learning_rate is 0 ({role}.learning_rate, else training.learning_rate): "
+                "training would change nothing; give a positive learning rate"
+            )
     for name, value, low, high in (
         ("actor_rollout.temperature", a.temperature, 0, None),
         ("actor_rollout.top_p", a.top_p, 0, 1),

@@ -403,11 +403,8 @@ class PPOTrainer:
                 if signum is not None and self.step < t.max_steps:
                     if not saved:
                         self.save_checkpoint()
-                    logger.warning(
-                        "stopped by signal %d after step %d: saved %s; resume with resume_from_checkpoint auto",
-                        signum,
-                        self.step,
-                        self.last_checkpoint,
+                    preemption.stopped_after_step(
+                        signum, self.step, self.last_checkpoint, "--training.resume_from_checkpoint"
                     )
                     return self.log_history
             preemption.training_finished()
