@@ -602,3 +602,11 @@ def test_in_tree_ppo_configs_carry_no_unread_fields():
         with open(os.path.join(ROOT, "llm", "config", name, "ppo_argument.json"), encoding="utf-8") as f:
             cfg = json.load(f)
         assert "defaults" not in cfg and not {"num_gpus_for_train", "num_gpus_for_infer"} & set(cfg["actor_rollout"])
+
+
+def test_critic_mini_batch_size_is_checked_only_with_a_critic(tmp_path):
+    """GRPO has no critic: a critic_mini_batch_size that does not divide the batch is not read, so not refused."""
+    odd = {"critic": {"critic_mini_batch_size": 3}, "actor_rollout": {"num_samples_per_step": 2}}
+    parse_ppo_config([config(tmp_path, algorithm={"adv_estimator": "grpo"}, **odd)])
+    with pytest.raises(UserError, match=r"critic.critic_mini_batch_size=3 must divide"):
+        parse_ppo_config([config(tmp_path, algorithm={"adv_estimator": "gae"}, **odd)])

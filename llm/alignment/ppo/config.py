@@ -235,10 +235,10 @@ def validate_ppo_config(c: PPOConfig, path: str) -> None:
                 "the actor's tokenizer (actor_rollout.tokenizer_name_or_path); remove it"
             )
     batch = c.data.rollout_batch_size * a.num_samples_per_step
-    for name, size in (
-        ("actor_rollout.ppo_mini_batch_size", a.ppo_mini_batch_size),
-        ("critic.critic_mini_batch_size", c.critic.critic_mini_batch_size),
-    ):
+    sizes = [("actor_rollout.ppo_mini_batch_size", a.ppo_mini_batch_size)]
+    if c.uses_critic:  # GRPO / RLOO / REINFORCE++ have no critic: its mini-batch size is not read
+        sizes.append(("critic.critic_mini_batch_size", c.critic.critic_mini_batch_size))
+    for name, size in sizes:
         if batch % size:
             raise UserError(f"{path}: {name}={size} must divide rollout_batch_size x num_samples_per_step = {batch}")
     grouped = ADV_ESTIMATORS[alg.adv_estimator].grouped
