@@ -287,12 +287,17 @@ def check_something_to_resume(output_dir: str, resume: str | None, field: str = 
     loads, saying how to start instead (a named checkpoint directory is checked where it is read)."""
     if resume is None or str(resume).lower() not in ("true", "auto", "last"):
         return
-    if any(checkpoint_problem(path) is None for _, path in checkpoint_dirs(output_dir)):
-        return
+    skipped = []
+    for _, path in checkpoint_dirs(output_dir):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return
+        skipped.append(f"{os.path.basename(path)} ({problem})")
     section = field.rpartition(".")[0] + "." if "." in field else ""
+    why = f" (skipped: {'; '.join(skipped)})" if skipped else ""
     raise UserError(
         f"{section}resume_from_checkpoint={resume}: {field} {output_dir} holds no complete checkpoint to resume "
-        f"from: run without {section}resume_from_checkpoint to start afresh there"
+        f"from{why}: run without {section}resume_from_checkpoint to start afresh there"
     )
 
 
