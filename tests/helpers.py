@@ -52,3 +52,13 @@ def ppo_config_file(tmp_path, source: str, name: str, *layers: dict) -> str:
     path = tmp_path / f"{name}_{len(list(tmp_path.glob(f'{name}_*')))}.json"
     path.write_text(json.dumps(cfg))
     return str(path)
+
+
+def read_json(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def read_jsonl(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]

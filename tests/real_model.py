@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from llm.utils.errors import UserError
-from tests.helpers import ROOT
+from tests.helpers import ROOT, read_json
 
 SMOLLM2_CONFIGS = os.path.join(ROOT, "llm", "config", "smollm2")
 SAMPLE = os.path.join(ROOT, "llm", "data", "sample")
@@ -85,16 +85,6 @@ def ppo_config(tmp_path, name: str, model_dir: str, *layers: dict) -> str:
         for sec, values in layer.items():
             cfg.setdefault(sec, {}).update(values)
     return _write(tmp_path, name.split("_")[0], cfg)
-
-
-def read_json(path):
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def read_jsonl(path):
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
 
 
 def logged_losses(out, key: str = "loss") -> list[float]:

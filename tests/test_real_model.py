@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from llm.utils.attention import PACKED_SDPA
+from tests.helpers import read_json, read_jsonl
 from tests.real_model import (
     SAMPLE,
     SAMPLE_ARITH,
@@ -24,8 +25,6 @@ from tests.real_model import (
     head_of,
     logged_losses,
     ppo_config,
-    read_json,
-    read_jsonl,
 )
 
 pytestmark = pytest.mark.real_model

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from llm.run_reward import main
 from llm.utils.errors import run_cli
-from tests.helpers import ROOT
+from tests.helpers import ROOT, read_json, read_jsonl
 
 SAMPLE = os.path.join(ROOT, "llm", "data", "sample")
 TINY = os.path.join(ROOT, "llm", "config", "tiny")
@@ -47,16 +47,6 @@ def small_split(tmp_path, name, n):
     path = tmp_path / name
     path.write_text("".join(lines))
     return str(path)
-
-
-def read_json(path):
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def read_jsonl(path):
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
 
 
 def train_losses(output_dir):

@@ -18,7 +18,7 @@ from llm.run_dpo import main as dpo_main
 from llm.run_finetune import main as sft_main
 from llm.utils.errors import run_cli
 from llm.utils.modeling import load_model
-from tests.helpers import ROOT, tokenizer
+from tests.helpers import ROOT, read_json, read_jsonl, tokenizer
 
 TINY = os.path.join(ROOT, "llm", "config", "tiny")
 TINY_LLAMA = os.path.join(ROOT, "llm", "assets", "tiny-llama")
@@ -54,16 +54,6 @@ def subset(tmp_path, folder, name, n, start=0):
     path = tmp_path / f"{start}_{name}"
     path.write_text("".join(lines))
     return str(path)
-
-
-def read_json(path):
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def read_jsonl(path):
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
 
 
 def train_losses(output_dir):
