@@ -172,10 +172,13 @@ def _resolved_chat_template(values: dict[str, Any]) -> dict[str, Any]:
 def _has_chat_template(path: str) -> bool | None:
     """Whether the tokenizer at ``path`` has a chat template; None when it cannot be loaded (the run then stops
     when it loads it, with the message that says why)."""
-    from llm.utils.modeling import load_tokenizer
+    from transformers import AutoTokenizer
+
+    from llm.utils.gguf import is_gguf, load_gguf_tokenizer  # not llm.utils.modeling: it imports back into here
 
     try:
-        return getattr(load_tokenizer(path), "chat_template", None) is not None
+        tokenizer = load_gguf_tokenizer(path) if is_gguf(path) else AutoTokenizer.from_pretrained(path)
+        return getattr(tokenizer, "chat_template", None) is not None
     except Exception:  # noqa: BLE001 - reported by the run's own tokenizer load, not here
         return None
 

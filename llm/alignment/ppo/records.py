@@ -57,7 +57,9 @@ class PolicyBatch:
 
     samples: Samples
     mask: torch.Tensor
-    old_logprobs: torch.Tensor  # the actor's log-probs at rollout time
+    # the actor's log-probs at rollout time; None: an on-policy update (one optimizer step over the whole batch),
+    # whose old log-probs are its own forward's, detached (``PPOConfig.on_policy_update``)
+    old_logprobs: torch.Tensor | None
     advantages: torch.Tensor
     ref_logprobs: torch.Tensor | None  # for the KL loss term
     is_weights: torch.Tensor | None = None  # truncated importance weights per token (rollout_is_cap), else 1
@@ -79,6 +81,7 @@ class UpdateStats:
 
     metrics: dict[str, float]
     losses: list[tuple[int, float]]  # (epoch, loss) per mini-batch, in order
+    logprobs: torch.Tensor | None = None  # (B, T) the actor's log-probs before an on-policy update, else None
 
 
 @dataclass
@@ -128,3 +131,29 @@ class Reward(Protocol):
     """ORM, PRM, rule, HTTP, or any registered type (rewards/)."""
 
     def score(self, samples: Samples) -> RewardOutput: ...
+
+
+@dataclass
+class Scored:
+    """Phase 2's record (``PPOTrainer.score``): the samples with log-probs, values, KL and scores."""
+
+    samples: Samples
+    mask: torch.Tensor  # (B, T)
+    logprobs: torch.Tensor | None  # (B, T) actor, at rollout time (an on-policy update fills it in)
+    ref_logprobs: torch.Tensor | None
+    values: torch.Tensor | None  # (B, T) critic
+    kl: torch.Tensor  # (B, T) per-token KL estimate (0 without a reference)
+    scores: torch.Tensor  # (B,) after penalty / normalisation / clipping
+    raw_scores: torch.Tensor  # (B,) as the reward function returned them
+    dense: torch.Tensor | None  # (B, T) PRM step rewards
+    is_weights: torch.Tensor | None = None  # (B, T) truncated importance weights (rollout_is_cap)
+
+
+@dataclass
+class Experience:
+    """Phase 3's record (``PPOTrainer.advantages``): per-token rewards, advantages and returns."""
+
+    scored: Scored
+    rewards: torch.Tensor  # (B, T)
+    advantages: torch.Tensor  # (B, T)
+    returns: torch.Tensor | None  # (B, T), GAE only

@@ -193,15 +193,20 @@ class ActorRole(PolicyModel):
         """``update.run_update`` over ``orders`` (one per epoch) on the clipped policy loss, minus
         ``entropy_coeff`` x the entropy, plus ``kl_loss_coef`` x the KL to the reference."""
         u = self.settings
+        # on-policy (no old log-probs given): the ratio's denominator is each token's own log-prob, detached, and
+        # those log-probs (taken before the one optimizer step) are handed back as the rollout's
+        seen = torch.zeros(batch.mask.shape) if batch.old_logprobs is None else None
 
         def loss_fn(part: list[int], tokens: torch.Tensor):
             logp, entropy = self._log_probs(batch.samples, part, with_entropy=True, entropy_grad=bool(u.entropy_coeff))
             T = logp.shape[1]
             dev = logp.device
             m = batch.mask[part, :T].to(dev)
+            if seen is not None:
+                seen[part, :T] = logp.detach().float().cpu()
             out = policy_loss(
                 logp,
-                batch.old_logprobs[part, :T].to(dev),
+                batch.old_logprobs[part, :T].to(dev) if seen is None else logp.detach(),
                 batch.advantages[part, :T].to(dev),
                 m,
                 u.clip_low,
@@ -234,7 +239,7 @@ class ActorRole(PolicyModel):
 
         steps, epochs = run_update(self, batch.mask, orders, u.mini_batch_size, self.NAMES, loss_fn)
         metrics = {k: sum(t[k] for t in steps) / len(steps) for k in self.NAMES} if steps else {}
-        return UpdateStats(metrics, [(e, t["policy_loss"]) for e, t in zip(epochs, steps)])
+        return UpdateStats(metrics, [(e, t["policy_loss"]) for e, t in zip(epochs, steps)], seen)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The current full weights on the CPU, for the rollout copy (FSDP2: gathered; {} on other ranks). A LoRA

@@ -389,6 +389,26 @@ class PPOConfig:
         return self.training.micro_batch_size if value is None else value
 
     @property
+    def on_policy_update(self) -> bool:
+        """The actor takes one optimizer step over the whole batch right after its rollout (``ppo_epochs`` 1, one
+        mini-batch): the ratio's old log-probs then equal the update's own forward, detached, so the separate
+        forward that computes them is skipped, and the update hands them back for the KL statistics (TRL's
+        GRPO with ``num_iterations`` 1 does the same). Not with a KL in the reward (needed before the
+        advantages), the exact KL (``kl_penalty: full``), the engine's log-probs or TIS (compared with the
+        trainer's forward), nor an FSDP2 actor group (each rank sees a share of the batch)."""
+        a, alg, c = self.actor_rollout, self.algorithm, self
+        kl_in_reward = alg.use_kl_in_reward and not (alg.kl_ctrl.type == "fixed" and alg.kl_ctrl.kl_coef == 0)
+        return (
+            a.ppo_epochs == 1
+            and a.ppo_mini_batch_size == c.data.rollout_batch_size * a.num_samples_per_step
+            and not kl_in_reward
+            and alg.kl_penalty != "full"
+            and a.rollout_is_cap is None
+            and not a.rollout_log_probs
+            and c.resource_pool.actor_rollout <= 1
+        )
+
+    @property
     def uses_critic(self) -> bool:
         estimator = ADV_ESTIMATORS.get(self.algorithm.adv_estimator)  # None: refused by validate_ppo_config
         return estimator is not None and estimator.needs_critic

@@ -18,7 +18,6 @@ import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
@@ -37,98 +36,22 @@ from llm.alignment.ppo.prompts import Prompt, make_samples
 from llm.alignment.ppo.records import (
     Actor,
     Critic,
+    Experience,
     Policy,
     PolicyBatch,
     Reward,
     RoleFailure,
     Samples,
+    Scored,
     UpdateStats,
     ValueBatch,
 )
+from llm.alignment.ppo.samples_log import SAMPLES_FILE, append_samples, sample_rows, samples_markdown, trim_samples
 from llm.alignment.ppo.sections import PPOConfig
 from llm.utils import preemption
 from llm.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Scored:
-    samples: Samples
-    mask: torch.Tensor  # (B, T)
-    logprobs: torch.Tensor  # (B, T) actor, at rollout time
-    ref_logprobs: torch.Tensor | None
-    values: torch.Tensor | None  # (B, T) critic
-    kl: torch.Tensor  # (B, T) per-token KL estimate (0 without a reference)
-    scores: torch.Tensor  # (B,) after penalty / normalisation / clipping
-    raw_scores: torch.Tensor  # (B,) as the reward function returned them
-    dense: torch.Tensor | None  # (B, T) PRM step rewards
-    is_weights: torch.Tensor | None = None  # (B, T) truncated importance weights (rollout_is_cap)
-
-
-@dataclass
-class Experience:
-    scored: Scored
-    rewards: torch.Tensor  # (B, T)
-    advantages: torch.Tensor  # (B, T)
-    returns: torch.Tensor | None  # (B, T), GAE only
-
-
-SAMPLES_FILE = "samples.jsonl"
-
-
-def sample_rows(exp: Experience, step: int, limit: int) -> list[dict]:
-    """The first ``limit`` samples of a step as JSON-able rows: what the policy was asked and answered and what
-    it was paid, so a run can be read, not only its means (``score`` as the reward returned it, before any
-    penalty, normalisation or clipping; ``reward`` the summed per-token reward the advantages saw)."""
-    s, samples = exp.scored, exp.scored.samples
-    rows = []
-    for i in range(min(limit, len(samples))):
-        row = {
-            "step": step,
-            "sample": i,
-            "prompt": samples.prompts[i],
-            "response": samples.responses[i],
-            "response_ids": samples.response_ids[i],
-            "response_length": len(samples.response_ids[i]),
-            "ended": bool(samples.ended[i]),
-            "score": s.raw_scores[i].item(),
-            "score_shaped": s.scores[i].item(),
-            "reward": exp.rewards[i].sum().item(),
-            "kl": s.kl[i].sum().item(),
-        }
-        if s.dense is not None:
-            row["step_reward"] = s.dense[i].sum().item()
-        if samples.references[i] is not None:
-            row["reference"] = samples.references[i]
-        rows.append(row)
-    return rows
-
-
-def samples_markdown(rows: list[dict]) -> str:
-    """The rows as TensorBoard text (markdown): texts in indented code blocks, so nothing in them renders."""
-
-    def block(text: str) -> str:
-        return "\n".join("    " + line for line in (text or "(empty)").splitlines() or [""])
-
-    parts = []
-    for r in rows:
-        head = (
-            f"**sample {r['sample']}**: score {r['score']:.4g}, reward {r['reward']:.4g}, "
-            f"{r['response_length']} tokens, {'ended with EOS' if r['ended'] else 'no EOS'}"
-        )
-        parts.append(f"{head}\n\nprompt:\n\n{block(r['prompt'])}\n\nresponse:\n\n{block(r['response'])}")
-        if "reference" in r:
-            parts[-1] += f"\n\nreference:\n\n{block(r['reference'])}"
-    return "\n\n---\n\n".join(parts)
-
-
-def _sample_step(line: str) -> float:
-    """The step of a ``samples.jsonl`` line; a line that is not one of ours counts as after every step."""
-    try:
-        return float(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return float("inf")
 
 
 class PPOTrainer:
@@ -243,6 +166,8 @@ class PPOTrainer:
         full = alg.kl_penalty == "full" and self.ref is not None
 
         def actor():
+            if self.c.on_policy_update:
+                return None  # the update's own forward gives them (on_policy_update)
             return self.actor.log_probs(samples) if rollout_logprobs is None else rollout_logprobs
 
         def ref():
@@ -266,12 +191,18 @@ class PPOTrainer:
             (logprobs, kl, ref_logprobs), values, out = self.together((self.ref, actor_after_ref), *rest)
         else:
             logprobs, ref_logprobs, values, out = self.together((self.actor, actor), (self.ref, ref), *rest)
-            kl = kl_estimate(logprobs, ref_logprobs, alg.kl_penalty) if ref_logprobs is not None else 0 * logprobs
+            kl = self.kl(logprobs, ref_logprobs, mask)
         raw = out.scores.clone()
         scores = shape_scores(
             out.scores, samples.ended, self.moments, alg.missing_eos_penalty, rw.normalize_reward, rw.reward_clip
         )
         return Scored(samples, mask, logprobs, ref_logprobs, values, kl * mask, scores, raw, out.dense)
+
+    def kl(self, logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+        """Per-token KL estimate; 0 without a reference, or before an on-policy update has given the log-probs."""
+        if logprobs is None or ref_logprobs is None:
+            return torch.zeros(mask.shape)
+        return kl_estimate(logprobs, ref_logprobs, self.c.algorithm.kl_penalty)
 
     # --- phase 3: advantages -----------------------------------------------------------------
     def advantages(self, s: Scored) -> Experience:
@@ -294,7 +225,8 @@ class PPOTrainer:
 
     def update_actor(self, exp: Experience) -> UpdateStats:
         a, s = self.c.actor_rollout, exp.scored
-        batch = PolicyBatch(s.samples, s.mask, s.logprobs, exp.advantages, s.ref_logprobs, s.is_weights)
+        old = None if self.c.on_policy_update else s.logprobs
+        batch = PolicyBatch(s.samples, s.mask, old, exp.advantages, s.ref_logprobs, s.is_weights)
         orders = self._orders(len(s.samples), a.ppo_epochs, a.shuffle_minibatch, 0)
         return self.actor.update(batch, orders)
 
@@ -341,6 +273,9 @@ class PPOTrainer:
         stats = {}
         for (name, _, _), part in zip(updates, self.together(*((role, fn) for _, role, fn in updates))):
             stats.update(self._record(name, part))  # in role order, however the calls overlapped
+            if name == "actor" and part.logprobs is not None:  # on_policy_update: the rollout's log-probs
+                scored.logprobs = part.logprobs
+                scored.kl = self.kl(part.logprobs, scored.ref_logprobs, scored.mask) * scored.mask
         t_sync = time.perf_counter()
         if self.rollout_copy is not None:
             self.rollout_copy.sync_from(self.actor)
@@ -380,7 +315,7 @@ class PPOTrainer:
     def train(self) -> list[dict]:
         t = self.c.training
         self._open_writer()
-        self._trim_samples_file()
+        trim_samples(self.samples_path, self.step)
         from tqdm.auto import tqdm
 
         # SIGTERM (llm.utils.preemption): before this run's first step has completed it stops the run at once;
@@ -444,34 +379,18 @@ class PPOTrainer:
         return os.path.join(self.c.training.output_dir, SAMPLES_FILE)
 
     def log_samples(self, exp: Experience) -> None:
-        """``training.log_samples`` of this step's samples to ``samples.jsonl`` (one JSON object per sample) and,
-        with TensorBoard, as text. The trainer loop holds every sample here (with Ray too: the roles return them
-        to the driver), so only this process writes; under a process group only its first rank would."""
+        """``training.log_samples`` of this step's samples to ``samples.jsonl`` and, with TensorBoard, as text
+        (``samples_log``). The trainer loop holds every sample here (with Ray too: the roles return them to the
+        driver), so only this process writes; under a process group only its first rank would."""
         from llm.alignment.ppo.fsdp import first_rank
 
         limit = self.c.training.log_samples
         if not limit or not first_rank():
             return
         rows = sample_rows(exp, self.step, limit)
-        os.makedirs(self.c.training.output_dir, exist_ok=True)
-        with open(self.samples_path, "a", encoding="utf-8") as f:
-            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        append_samples(self.samples_path, rows)
         if self.writer is not None:
             self.writer.add_text("ppo/samples", samples_markdown(rows), self.step)
-
-    def _trim_samples_file(self) -> None:
-        """Before training: ``samples.jsonl`` keeps only the steps this run has (none for a fresh run, those up to
-        the checkpoint when resuming), so a run that trains on after a stop, or afresh in the same output_dir,
-        never lists a step twice."""
-        path = self.samples_path
-        if not os.path.isfile(path):
-            return
-        with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
-        kept = [line for line in lines if _sample_step(line) <= self.step]
-        if len(kept) != len(lines):
-            with open(path, "w", encoding="utf-8") as f:
-                f.writelines(kept)
 
     def _save_models(self, directory: str, with_optimizer: bool) -> None:
         self.actor.save(os.path.join(directory, "actor"), with_optimizer)
