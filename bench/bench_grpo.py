@@ -145,7 +145,8 @@ def run_ours(a, engine: str) -> dict:
         "critic": {},
         "reward": {"type": "rule", "rule": RULE},
         "algorithm": {"adv_estimator": "grpo", "kl_penalty": "k3", "kl_loss_coef": 0.04, "use_kl_in_reward": False},
-        "data": {"train_dataset_path": data, "rollout_batch_size": a.prompts},
+        # plain text, as TRL gets it (a string prompt: no chat template); unset would follow the tokenizer
+        "data": {"train_dataset_path": data, "rollout_batch_size": a.prompts, "use_chat_template": False},
     }
     path = os.path.join(a.workdir, f"grpo_{os.getpid()}.json")
     with open(path, "w", encoding="utf-8") as f:
