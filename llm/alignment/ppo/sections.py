@@ -396,16 +396,16 @@ class PPOConfig:
         GRPO with ``num_iterations`` 1 does the same). Not with a KL in the reward (needed before the
         advantages), the exact KL (``kl_penalty: full``), the engine's log-probs or TIS (compared with the
         trainer's forward), nor an FSDP2 actor group (each rank sees a share of the batch)."""
-        a, alg, c = self.actor_rollout, self.algorithm, self
+        a, alg = self.actor_rollout, self.algorithm
         kl_in_reward = alg.use_kl_in_reward and not (alg.kl_ctrl.type == "fixed" and alg.kl_ctrl.kl_coef == 0)
         return (
             a.ppo_epochs == 1
-            and a.ppo_mini_batch_size == c.data.rollout_batch_size * a.num_samples_per_step
+            and a.ppo_mini_batch_size == self.data.rollout_batch_size * a.num_samples_per_step
             and not kl_in_reward
             and alg.kl_penalty != "full"
             and a.rollout_is_cap is None
             and not a.rollout_log_probs
-            and c.resource_pool.actor_rollout <= 1
+            and self.resource_pool.actor_rollout <= 1
         )
 
     @property
