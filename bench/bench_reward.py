@@ -234,9 +234,9 @@ def training_settings(args, out_dir: str) -> dict:
 
 def build_ours(args, task: str, model_dir: str, data_path: str, common: dict):
     """orm/ours, prm/ours: ``build_reward_trainer``; returns (trainer, counter, pack pad ratio, examples)."""
-    from llm.alignment.rm.arguments import RewardModelArgument, RewardTrainingArguments
+    from llm.settings.reward import RewardModelArgument, RewardTrainingArguments
     from llm.alignment.rm.build import build_reward_trainer
-    from llm.utils.arguments import DataArgument
+    from llm.settings.flat import DataArgument
 
     real = args.model_dir is not None
     model_args = RewardModelArgument(
@@ -363,7 +363,7 @@ def run_side(args) -> dict:
 
 def prepare(args, workdir: str) -> dict:
     """Model config dir (tiny; a real model is used in place), data subsets, and the examples per packed row."""
-    from llm.alignment.rm.arguments import RewardModelArgument
+    from llm.settings.reward import RewardModelArgument
     from llm.utils.modeling import load_tokenizer, tiny_config
 
     if args.model_dir is not None:
@@ -389,7 +389,7 @@ def prepare(args, workdir: str) -> dict:
 def prepare_data(args, workdir: str, tokenizer, model_argument) -> dict:
     """Data subsets and the examples per packed row (for --trl-batch auto)."""
     from llm.alignment.rm.build import build_reward_data
-    from llm.utils.arguments import DataArgument
+    from llm.settings.flat import DataArgument
 
     info = {}
     for task in args.tasks:

@@ -218,8 +218,8 @@ def our_arguments(
     """The tiny config of ``task`` parsed as ``run_dpo.py`` / ``run_finetune.py`` do, with the benchmark overrides;
     ``lora``: (rank, alpha, dropout) to set our LoRA fields (default targets), or None (full fine-tuning);
     ``model_dir``: a real model (the smollm2 config of ``task``, this model and its tokenizer)."""
-    from llm.alignment.dpo.arguments import DPO_ARGUMENT_TYPES
-    from llm.utils.arguments import ARGUMENT_TYPES, parse_arguments, validate_arguments
+    from llm.settings.dpo import DPO_ARGUMENT_TYPES
+    from llm.settings.flat import ARGUMENT_TYPES, parse_arguments, validate_arguments
 
     cli = [
         (REAL_CONFIGS if model_dir else CONFIGS)[task],

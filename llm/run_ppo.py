@@ -1,5 +1,5 @@
 """PPO with four roles (actor, reference, critic, reward) from one config file: JSON or YAML, in this project's
-layout or in MindSpeed-LLM's own (its configs/rlxf/ppo_trainer_*.yaml as they are; llm/alignment/ppo/mindspeed/).
+layout or in MindSpeed-LLM's own (its configs/rlxf/ppo_trainer_*.yaml as they are; llm/settings/dialects/mindspeed/).
 
 python llm/run_ppo.py llm/config/tiny/ppo_argument.json [--section.field value ...]
 python llm/run_ppo.py llm/config/tiny/ppo_ray_argument.json      # roles in Ray actors (resource_pool)
@@ -14,10 +14,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
-from llm.alignment.ppo.config import parse_ppo_config
+from llm.settings.ppo_validation import parse_ppo_config
 from llm.utils.checkpoints import latest_checkpoint
 from llm.utils.errors import run_cli
-from llm.utils.fingerprint import run_fingerprint
+from llm.settings.fingerprint import run_fingerprint
 from llm.utils.logging import configure_logging
 from llm.utils.rundir import run_guard
 

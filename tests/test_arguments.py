@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from llm.alignment.rm.arguments import REWARD_ARGUMENT_TYPES, RewardModelArgument, RewardTrainingArguments
-from llm.utils.arguments import DataArgument, ModelArgument, TrainingArguments, parse_arguments, validate_arguments
+from llm.settings.reward import REWARD_ARGUMENT_TYPES, RewardModelArgument, RewardTrainingArguments
+from llm.settings.flat import DataArgument, ModelArgument, TrainingArguments, parse_arguments, validate_arguments
 from llm.utils.distributed import parse_layout
 from llm.utils.errors import UserError
 from tests.helpers import ROOT
@@ -118,7 +118,7 @@ def test_fields_that_cannot_take_effect_stop_the_run(tmp_path, fields, message):
 
 @pytest.mark.parametrize("granularity, per_layer", [("full", True), ("full_attn", False), ("core_attn", False)])
 def test_recompute_granularity(tmp_path, granularity, per_layer):
-    from llm.utils.arguments import recompute_mode
+    from llm.settings.flat import recompute_mode
 
     model_args, data_args, training_args = parse(tmp_path, recompute=True, recompute_granularity=granularity)
     validate_arguments(model_args, data_args, training_args)
@@ -333,7 +333,7 @@ def test_paddle_names_that_cannot_take_effect(tmp_path, fields, message):
 
 
 def test_reward_only_paddle_names(tmp_path):
-    from llm.utils.paddle_names import PADDLE_REWARD_NAMES
+    from llm.settings.dialects.paddle import PADDLE_REWARD_NAMES
 
     path = write(
         tmp_path,

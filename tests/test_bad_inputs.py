@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from llm.alignment.ppo.build import Place, build_reward
-from llm.alignment.ppo.config import parse_ppo_config
+from llm.settings.ppo_validation import parse_ppo_config
 from llm.alignment.ppo.records import RoleFailure, Samples
 from llm.alignment.ppo.rewards import HttpReward, ORMReward, RuleReward
 from llm.data.tokenize import OverlongCounter, encode_all

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from llm.alignment.dpo.arguments import DPO_ARGUMENT_TYPES
-from llm.utils.arguments import ARGUMENT_TYPES, parse_arguments
+from llm.settings.dpo import DPO_ARGUMENT_TYPES
+from llm.settings.flat import ARGUMENT_TYPES, parse_arguments
 from llm.utils.errors import UserError
 from llm.utils.gguf import smollm2_dir
 from tests.helpers import ROOT

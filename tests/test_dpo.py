@@ -25,7 +25,7 @@ from llm.data.packing import pack
 from llm.data.readers import read_records
 from llm.data.tokenize import EncodeConfig, OverlongCounter
 from llm.data.tokenize_lm import CHOSEN, PROMPT, REJECTED, encode_pair_for_lm
-from llm.utils.arguments import TrainingArguments
+from llm.settings.flat import TrainingArguments
 from tests.helpers import ROOT, tiny_model, tokenizer, twin
 
 PAIRS = os.path.join(ROOT, "llm", "data", "sample", "pairs_train.jsonl")
@@ -387,7 +387,7 @@ def test_accumulation_4x1_equals_batch_4(tmp_path, setup, loss_type, kw):
 
 # --- the loss registry ----------------------------------------------------------------------------
 def test_an_unregistered_loss_type_is_refused_with_the_valid_ones():
-    from llm.alignment.dpo.arguments import DPOTrainingArguments
+    from llm.settings.dpo import DPOTrainingArguments
     from llm.alignment.dpo.loss import LOSSES
     from llm.utils.errors import UserError
 
@@ -402,7 +402,7 @@ def test_a_registered_loss_is_read_by_validation_and_the_trainer(monkeypatch):
     (a reference-free loss refuses reference_free, a smoothing-free one label_smoothing) and preference_loss
     computes it."""
     from llm.alignment.dpo import loss as loss_module
-    from llm.alignment.dpo.arguments import DPOTrainingArguments
+    from llm.settings.dpo import DPOTrainingArguments
     from llm.utils.errors import UserError
 
     monkeypatch.setattr(loss_module, "LOSSES", dict(loss_module.LOSSES))

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from llm.alignment.lm import chunked
 from llm.alignment.ppo.algorithm import full_kl, policy_loss, token_stats
 from llm.alignment.ppo.build import build_from_models
-from llm.alignment.ppo.config import parse_ppo_config
+from llm.settings.ppo_validation import parse_ppo_config
 from llm.alignment.ppo.engine import per_token
 from llm.alignment.ppo.fsdp import head_linear
 from llm.alignment.ppo.prompts import Prompt

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from llm.alignment.ppo.build import load_prompts
-from llm.alignment.ppo.config import parse_ppo_config
-from llm.alignment.ppo.mindspeed import load_yaml
+from llm.settings.ppo_validation import parse_ppo_config
+from llm.settings.dialects.mindspeed import load_yaml
 from llm.run_ppo import main
 from llm.utils.errors import UserError, run_cli
 from tests.helpers import ROOT

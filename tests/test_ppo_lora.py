@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from llm.alignment.ppo.build import build_ppo, build_role, load_prompts, placed_roles
-from llm.alignment.ppo.config import parse_ppo_config
+from llm.settings.ppo_validation import parse_ppo_config
 from llm.alignment.ppo.loading import Place, actor_tokenizer, load_frozen
 from llm.alignment.ppo.lora import ActorBase
 from llm.alignment.ppo.roles import PolicyModel, ValueModel

@@ -13,7 +13,7 @@ from transformers import AutoModelForSequenceClassification
 
 from llm.alignment.ppo.build import Place, build_actor, build_critic, build_ref, build_reward
 from llm.alignment.ppo.checkpoint import OPTIMIZER_FILE
-from llm.alignment.ppo.config import parse_ppo_config
+from llm.settings.ppo_validation import parse_ppo_config
 from llm.alignment.ppo.offload import HOST, HostAdamW, OffloadedTrainableRole, offload_when_idle
 from llm.alignment.ppo.optim import TrainableRole
 from llm.alignment.ppo.records import PolicyBatch, Samples, ValueBatch

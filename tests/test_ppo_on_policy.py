@@ -6,7 +6,7 @@ import pytest
 from safetensors.torch import load_file
 
 from llm.alignment.ppo.roles import ActorRole
-from llm.alignment.ppo.sections import PPOConfig
+from llm.settings.ppo import PPOConfig
 from llm.run_ppo import main
 from tests.test_ppo_run import config, history
 
@@ -66,7 +66,7 @@ def test_on_policy_update_skips_the_old_log_prob_forward_and_equals_the_full_run
     ],
 )
 def test_which_runs_are_on_policy(tmp_path, change, expected):
-    from llm.alignment.ppo.config import parse_ppo_config
+    from llm.settings.ppo_validation import parse_ppo_config
 
     sections = {k: dict(v) for k, v in _rest().items()}
     for sec, values in change.items():

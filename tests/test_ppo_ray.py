@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
-from llm.alignment.ppo.config import parse_ppo_config
+from llm.settings.ppo_validation import parse_ppo_config
 from llm.alignment.ppo.records import RoleFailure
 from llm.run_ppo import main
 from llm.utils.errors import UserError, run_cli

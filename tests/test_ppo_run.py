@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from llm.alignment.ppo.config import parse_ppo_config
+from llm.settings.ppo_validation import parse_ppo_config
 from llm.alignment.ppo.records import Samples
 from llm.alignment.ppo.rewards import HttpReward, PRMReward, RuleReward, char_to_token_end, split_steps
 from llm.alignment.ppo.rules import last_number, math_exact_match

@@ -22,7 +22,7 @@ from llm.alignment.ppo.algorithm import (
     shape_scores,
 )
 from llm.alignment.ppo.build import Place, build_actor
-from llm.alignment.ppo.config import parse_ppo_config
+from llm.settings.ppo_validation import parse_ppo_config
 from llm.alignment.ppo.records import PolicyBatch
 from llm.utils.errors import UserError
 from tests.test_ppo_memory import fixed_samples

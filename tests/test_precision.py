@@ -34,11 +34,11 @@ import torch
 from llm.alignment.dpo.trainer import DPOTrainer, collate_pairs
 from llm.alignment.lm import load_causal_lm, weights_dtype
 from llm.alignment.ppo.build import Place, build_actor, build_critic
-from llm.alignment.ppo.config import parse_ppo_config
+from llm.settings.ppo_validation import parse_ppo_config
 from llm.alignment.ppo.offload import OffloadedTrainableRole
 from llm.alignment.ppo.optim import TrainableRole
 from llm.alignment.ppo.records import PolicyBatch, ValueBatch
-from llm.alignment.rm.arguments import RewardModelArgument, RewardTrainingArguments
+from llm.settings.reward import RewardModelArgument, RewardTrainingArguments
 from llm.alignment.rm.build import build_reward_model
 from llm.alignment.rm.trainer import RewardTrainer
 from llm.alignment.sft.trainer import SFTTrainer
@@ -46,7 +46,7 @@ from llm.data.packing import collate, pack
 from llm.data.readers import iter_records
 from llm.data.tokenize import EncodeConfig, OverlongCounter, encode_pair_for_scores, encode_prm
 from llm.data.tokenize_lm import encode_pair_for_lm, encode_sft
-from llm.utils.arguments import ModelArgument
+from llm.settings.flat import ModelArgument
 from llm.utils.errors import UserError
 from llm.utils.precision import MasterWeightAdamW
 from tests.helpers import ROOT, tiny_model, tokenizer
@@ -498,7 +498,7 @@ def test_bf16_checkpoints_move_between_plain_and_offloaded_roles_with_their_mast
 
 
 def test_fp16_o2_needs_adamw(tmp_path):
-    from llm.utils.arguments import DataArgument, validate_arguments
+    from llm.settings.flat import DataArgument, validate_arguments
 
     args = training_args(tmp_path, "fp32", fp16=True, fp16_opt_level="O2", optim="sgd")
     assert weights_dtype(args) == torch.float16

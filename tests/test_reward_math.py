@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from llm.alignment.rm.arguments import RewardTrainingArguments as TrainingArguments
+from llm.settings.reward import RewardTrainingArguments as TrainingArguments
 from llm.alignment.rm.loss import pairwise_loss, step_loss
 from llm.alignment.rm.trainer import RewardTrainer
 from llm.data.packing import collate, pack

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from llm.alignment.ppo.build import Place, build_critic
-from llm.alignment.ppo.config import parse_ppo_config
+from llm.settings.ppo_validation import parse_ppo_config
 from llm.run_reward import main
 from tests.helpers import tiny_model
 from tests.test_ppo_run import config as ppo_config

@@ -17,7 +17,7 @@ from llm.data.packing import collate, pack
 from llm.data.readers import SFTRecord, read_records
 from llm.data.tokenize import EncodeConfig, OverlongCounter
 from llm.data.tokenize_lm import encode_sft, render_conversation
-from llm.utils.arguments import TrainingArguments
+from llm.settings.flat import TrainingArguments
 from tests.helpers import ROOT, tiny_model, tokenizer, twin
 
 SFT_TRAIN = os.path.join(ROOT, "llm", "data", "sample_sft", "sft_train.jsonl")

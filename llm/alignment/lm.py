@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from llm.data.packing import PackedBatch
-from llm.utils.arguments import TrainingArguments
+from llm.settings.flat import TrainingArguments
 from llm.utils.attention import PACKED_SDPA
 from llm.utils.errors import UserError
 from llm.utils.modeling import load_model

@@ -327,9 +327,9 @@ class AlignmentTrainer(Trainer):
 
     @property
     def run_fingerprint(self):
-        """``llm.utils.fingerprint.training_fingerprint`` of this run (computed once), stored in every checkpoint."""
+        """``llm.settings.fingerprint.training_fingerprint`` of this run (computed once), stored in every checkpoint."""
         if getattr(self, "_run_fingerprint", None) is None:
-            from llm.utils.fingerprint import training_fingerprint
+            from llm.settings.fingerprint import training_fingerprint
 
             self._run_fingerprint = training_fingerprint(self.args)
         return self._run_fingerprint

@@ -2,7 +2,7 @@
 
 - Atomic: a checkpoint is written into ``checkpoint-N.partial`` (the same name on every rank) and renamed to
   ``checkpoint-N`` only when complete; its marker ``checkpoint.json`` is written last, holding the step, the
-  run's fingerprint (``llm.utils.fingerprint``) with the fingerprinted values, and every file with its size.
+  run's fingerprint (``llm.settings.fingerprint``) with the fingerprinted values, and every file with its size.
   A directory without a marker, or whose files are missing or of another size, is incomplete.
 - Safe to load: state other than the model is stored as JSON plus safetensors (``save_tree`` / ``load_tree``);
   nothing is unpickled, so a planted file cannot run code.
@@ -309,7 +309,7 @@ def checkpoint_dirs(output_dir: str) -> list[tuple[int, str]]:
 def fingerprint_mismatch(directory: str, fingerprint) -> list[str] | None:
     """The differing fields (``name (saved -> now)``) when ``directory``'s marker is of another run; None: same
     run (or nothing to compare)."""
-    from llm.utils.fingerprint import differing_fields
+    from llm.settings.fingerprint import differing_fields
 
     marker = read_marker(directory)
     if fingerprint is None or marker is None or marker.get("fingerprint") in (None, fingerprint.digest):
@@ -346,7 +346,7 @@ def checkpoint_step(directory: str) -> int | None:
 
 def latest_checkpoint(value: str | None, output_dir: str, fingerprint=None) -> str | None:
     """``resume_from_checkpoint``: None/false, a checkpoint directory, or true/auto/last: the newest complete
-    checkpoint of this run in ``output_dir`` (``fingerprint``: ``llm.utils.fingerprint.run_fingerprint``)."""
+    checkpoint of this run in ``output_dir`` (``fingerprint``: ``llm.settings.fingerprint.run_fingerprint``)."""
     if value is None or str(value).lower() in ("", "false", "none"):
         return None
     if str(value).lower() in ("true", "auto", "last"):

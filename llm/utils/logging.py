@@ -50,7 +50,7 @@ def setup_logging(training_args: transformers.TrainingArguments) -> None:
 
 
 def resume_checkpoint(training_args: transformers.TrainingArguments) -> str | None:
-    from llm.utils.fingerprint import training_fingerprint
+    from llm.settings.fingerprint import training_fingerprint
 
     value = training_args.resume_from_checkpoint
     fingerprint = training_fingerprint(training_args) if value else None

@@ -22,7 +22,7 @@ state; ``RUN_ARTEFACTS``) is refused for a training run unless ``resume_from_che
 run or ``overwrite_output_dir: true`` says to start a new one there. ``overwrite_output_dir`` deletes
 nothing: files the new run writes replace the old ones of the same name, and old ``checkpoint-*``
 directories stay (the log names them). Telling "this run's own checkpoints" from "another run's" is
-the job of the checkpoint markers (``llm.utils.fingerprint``): ``resume_from_checkpoint: auto`` is to
+the job of the checkpoint markers (``llm.settings.fingerprint``): ``resume_from_checkpoint: auto`` is to
 pick only checkpoints of this run; ``foreign_artefacts`` is the hook for that rule here.
 """
 
@@ -101,7 +101,7 @@ def run_artefacts(output_dir: str) -> list[str]:
 
 def foreign_artefacts(output_dir: str, fingerprint: str | None = None) -> list[str]:
     """What in ``output_dir`` belongs to another run. Today: every run artefact (``run_artefacts``); the hook
-    for the checkpoint markers (``llm.utils.fingerprint``): with a ``fingerprint`` the files of a run with
+    for the checkpoint markers (``llm.settings.fingerprint``): with a ``fingerprint`` the files of a run with
     that fingerprint could be left out here."""
     return run_artefacts(output_dir)
 

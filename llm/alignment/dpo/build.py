@@ -8,7 +8,7 @@ import logging
 
 from transformers import PreTrainedTokenizerBase
 
-from llm.alignment.dpo.arguments import DPOModelArgument, DPOTrainingArguments
+from llm.settings.dpo import DPOModelArgument, DPOTrainingArguments
 from llm.alignment.dpo.loss import loss_spec
 from llm.alignment.dpo.trainer import DPOTrainer, collate_pairs
 from llm.alignment.lm import load_causal_lm
@@ -16,7 +16,7 @@ from llm.alignment.sft.build import encode_config
 from llm.data.pipeline import PackedData, load_packed, plan_summary, train_and_dev
 from llm.data.tokenize import resolve_chat_template
 from llm.data.tokenize_lm import encode_pair_for_lm
-from llm.utils.arguments import DataArgument, recompute_mode
+from llm.settings.flat import DataArgument, recompute_mode
 from llm.utils.attention import kernel_for
 from llm.utils.errors import UserError
 from llm.utils.lora import apply_lora, check_lora_arguments, quantization_config

@@ -22,7 +22,7 @@ from llm.alignment.ppo.lora import ActorBase, shares_actor_base, with_lora
 from llm.alignment.ppo.prompts import Prompt, prompts_from_records
 from llm.alignment.ppo.rewards import ORMReward, RewardFunction, reward_type, same_vocabulary
 from llm.alignment.ppo.roles import ActorRole, CriticRole, PolicyModel
-from llm.alignment.ppo.sections import PPOConfig
+from llm.settings.ppo import PPOConfig
 from llm.alignment.ppo.trainer import PPOTrainer
 from llm.alignment.ppo.update import PolicyUpdate, ValueUpdate
 from llm.data.readers import load_dataset_records

@@ -18,7 +18,7 @@ from llm.utils.errors import UserError
 from llm.utils.modeling import load_model, load_tokenizer
 
 if TYPE_CHECKING:
-    from llm.alignment.ppo.sections import PPOConfig
+    from llm.settings.ppo import PPOConfig
 
 # The log of the builders: what the memory savers did (tests read it under this name).
 logger = logging.getLogger("llm.alignment.ppo.build")

@@ -26,7 +26,7 @@ from llm.utils.lora import apply_lora, check_lora_fields, reference_model
 
 if TYPE_CHECKING:
     from llm.alignment.ppo.records import Samples
-    from llm.alignment.ppo.sections import PPOConfig
+    from llm.settings.ppo import PPOConfig
 
 LORA_ROLES = ("actor_rollout", "critic")
 TASKS = {"actor_rollout": "causal_lm", "critic": "seq_cls"}

@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from llm.alignment.ppo.records import RoleFailure
-from llm.alignment.ppo.sections import PPOConfig, ResourcePool
+from llm.settings.ppo import PPOConfig, ResourcePool
 from llm.utils import preemption
 from llm.utils.distributed import share
 from llm.utils.errors import UserError

@@ -47,7 +47,7 @@ from llm.alignment.ppo.records import (
     ValueBatch,
 )
 from llm.alignment.ppo.samples_log import SAMPLES_FILE, append_samples, sample_rows, samples_markdown, trim_samples
-from llm.alignment.ppo.sections import PPOConfig
+from llm.settings.ppo import PPOConfig
 from llm.utils import preemption
 from llm.utils.errors import UserError
 
@@ -427,9 +427,9 @@ class PPOTrainer:
 
     @property
     def run_fingerprint(self):
-        """``llm.utils.fingerprint.run_fingerprint`` of this run's config (computed once)."""
+        """``llm.settings.fingerprint.run_fingerprint`` of this run's config (computed once)."""
         if getattr(self, "_run_fingerprint", None) is None:
-            from llm.utils.fingerprint import run_fingerprint
+            from llm.settings.fingerprint import run_fingerprint
 
             self._run_fingerprint = run_fingerprint(self.c)
         return self._run_fingerprint

@@ -13,7 +13,7 @@ from llm.data.packing import collate
 from llm.data.pipeline import PackedData, load_packed, plan_summary, train_and_dev
 from llm.data.tokenize import EncodeConfig, resolve_chat_template
 from llm.data.tokenize_lm import encode_sft
-from llm.utils.arguments import DataArgument, ModelArgument, TrainingArguments, recompute_mode
+from llm.settings.flat import DataArgument, ModelArgument, TrainingArguments, recompute_mode
 from llm.utils.attention import kernel_for
 from llm.utils.lora import apply_lora, check_lora_arguments, quantization_config
 from llm.utils.modeling import count_parameters, load_tokenizer

@@ -22,7 +22,7 @@ from llm.utils.errors import UserError, closest
 
 if TYPE_CHECKING:
     from llm.alignment.ppo.loading import Place
-    from llm.alignment.ppo.sections import PPOConfig
+    from llm.settings.ppo import PPOConfig
 
 
 class RewardFunction:

@@ -32,7 +32,7 @@ from llm.utils.modeling import load_tokenizer
 
 if TYPE_CHECKING:
     from llm.alignment.ppo.loading import Place
-    from llm.alignment.ppo.sections import PPOConfig
+    from llm.settings.ppo import PPOConfig
 
 # prm_aggregation -> the outcome score of a sample's step scores (the evaluation's functions); "dense": none,
 # a reward per step

@@ -14,7 +14,7 @@ from llm.utils.errors import UserError
 
 if TYPE_CHECKING:
     from llm.alignment.ppo.loading import Place
-    from llm.alignment.ppo.sections import PPOConfig
+    from llm.settings.ppo import PPOConfig
 
 
 @register_reward("rule")

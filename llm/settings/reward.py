@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llm.utils.arguments import DataArgument, ModelArgument, TrainingArguments
+from llm.settings.flat import DataArgument, ModelArgument, TrainingArguments
 from llm.utils.errors import UserError
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import os
 
-from llm.alignment.ppo.mindspeed.architecture import check_architecture
-from llm.alignment.ppo.mindspeed.files import _model_files
-from llm.alignment.ppo.mindspeed.merge import _merge, _ours, _pool
-from llm.alignment.ppo.mindspeed.rules import RULES
-from llm.alignment.ppo.mindspeed.translation import ACTOR, MINDSPEED_SECTIONS, ROLE_PLACES, TRAINED, Translation
+from llm.settings.dialects.mindspeed.architecture import check_architecture
+from llm.settings.dialects.mindspeed.files import _model_files
+from llm.settings.dialects.mindspeed.merge import _merge, _ours, _pool
+from llm.settings.dialects.mindspeed.names import RULES
+from llm.settings.dialects.mindspeed.rule_types import ACTOR, MINDSPEED_SECTIONS, ROLE_PLACES, TRAINED, Translation
 from llm.utils.errors import closest
 
 

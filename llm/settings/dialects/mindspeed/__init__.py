@@ -18,11 +18,11 @@ name that cannot take effect here stops the run, unless its value means what thi
 (then a line in the log says so); our own field names are accepted too (``init_from_config``, ``type``).
 """
 
-from llm.alignment.ppo.mindspeed.architecture import ARCHITECTURE, KERNELS, check_architecture
-from llm.alignment.ppo.mindspeed.files import is_mindspeed_layout, load_yaml
-from llm.alignment.ppo.mindspeed.rules import RULES
-from llm.alignment.ppo.mindspeed.translate import translate
-from llm.alignment.ppo.mindspeed.translation import (
+from llm.settings.dialects.mindspeed.architecture import ARCHITECTURE, KERNELS, check_architecture
+from llm.settings.dialects.mindspeed.files import is_mindspeed_layout, load_yaml
+from llm.settings.dialects.mindspeed.names import RULES
+from llm.settings.dialects.mindspeed.convert import translate
+from llm.settings.dialects.mindspeed.rule_types import (
     ACTOR,
     ALL,
     MINDSPEED_SECTIONS,

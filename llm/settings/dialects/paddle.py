@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from llm.utils.errors import UserError
-from llm.utils.fields import check_value
+from llm.settings.fields import check_value
 from llm.utils.paths import resolve_input_path, tried
 
 # handler(value, where, notes) -> {our field: value}; ``notes`` collects lines for the log

@@ -19,8 +19,8 @@ import transformers
 
 from llm.utils.distributed import Layout, has_accelerator, parse_layout
 from llm.utils.errors import UserError, closest
-from llm.utils.fields import build, command_line_pairs, init_fields, parse_text, type_hints
-from llm.utils.paddle_names import PADDLE_NAMES, translate
+from llm.settings.fields import build, command_line_pairs, init_fields, parse_text, type_hints
+from llm.settings.dialects.paddle import PADDLE_NAMES, translate
 from llm.utils.paths import resolve_input_path, resolve_paths, tried
 from llm.utils.rundir import check_output_dir
 
@@ -318,7 +318,7 @@ def validate_arguments(model_args: ModelArgument, data_args: DataArgument, train
         training_args.do_eval = False
         training_args.eval_strategy = "no"
         training_args.save_strategy = "no"
-    from llm.utils.fingerprint import remember_run_arguments
+    from llm.settings.fingerprint import remember_run_arguments
 
     remember_run_arguments(model_args, data_args, training_args)  # for the checkpoints' run fingerprint
 
@@ -411,8 +411,8 @@ def parse_arguments(
 ) -> tuple[Any, ...]:
     """``CONFIG.json [--field value ...]`` -> one instance per dataclass in ``types``.
 
-    Every key goes to the dataclass that declares it and is type-checked (``llm.utils.fields``);
-    PaddleNLP's own names in ``paddle`` are translated first (``llm.utils.paddle_names``); relative input paths are
+    Every key goes to the dataclass that declares it and is type-checked (``llm.settings.fields``);
+    PaddleNLP's own names in ``paddle`` are translated first (``llm.settings.dialects.paddle``); relative input paths are
     resolved (``llm.utils.paths``). Lines worth logging land in ``TrainingArguments.config_notes``.
     """
     if not argv or not argv[0].endswith(".json"):

@@ -1,6 +1,6 @@
 """PPO configuration in MindSpeed-LLM's layout, the schema: ``training`` defaults that roles override, one
 section per role, ``algorithm``, ``resource_pool`` and ``data``. Every section is a dataclass; every value
-is type-checked (``llm.utils.fields``) and sizes are bounded (``metadata={"min": ...}``) when config.py
+is type-checked (``llm.settings.fields``) and sizes are bounded (``metadata={"min": ...}``) when config.py
 reads a file into them; config.py also checks what the types cannot say."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from llm.alignment.ppo.mindspeed.translation import Given, Translation
+from llm.settings.dialects.mindspeed.rule_types import Given, Translation
 from llm.utils.paths import resolve_input_path, search_dirs, tried
 
 

@@ -12,7 +12,7 @@ import yaml
 from llm.utils.errors import UserError
 
 if TYPE_CHECKING:
-    from llm.alignment.ppo.mindspeed.translation import Translation
+    from llm.settings.dialects.mindspeed.rule_types import Translation
 
 
 class _Loader(yaml.SafeLoader):

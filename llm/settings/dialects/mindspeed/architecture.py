@@ -7,7 +7,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from llm.alignment.ppo.mindspeed.translation import ROLE_PLACES, Given, Translation
+from llm.settings.dialects.mindspeed.rule_types import ROLE_PLACES, Given, Translation
 
 ARCHITECTURE: dict[str, tuple[str, Callable[[Any], Any]]] = {
     # Megatron model-file name -> (what config.json calls it, its value there)

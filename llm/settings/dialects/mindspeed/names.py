@@ -3,8 +3,8 @@ MindSpeed-LLM / Megatron reads it (the justification of the mapping; README "PPO
 
 from __future__ import annotations
 
-from llm.alignment.ppo.mindspeed.architecture import ARCHITECTURE, KERNELS, _architecture
-from llm.alignment.ppo.mindspeed.handlers import (
+from llm.settings.dialects.mindspeed.architecture import ARCHITECTURE, KERNELS, _architecture
+from llm.settings.dialects.mindspeed.handlers import (
     _bf16,
     _cliprange_value,
     _data_path,
@@ -18,8 +18,8 @@ from llm.alignment.ppo.mindspeed.handlers import (
     no_effect,
     to,
 )
-from llm.alignment.ppo.mindspeed.refusals import _decay, _parallel, _recompute, _split, _stage, _tp, same
-from llm.alignment.ppo.mindspeed.translation import ACTOR, ALL, TRAINED, Rule
+from llm.settings.dialects.mindspeed.refusals import _decay, _parallel, _recompute, _split, _stage, _tp, same
+from llm.settings.dialects.mindspeed.rule_types import ACTOR, ALL, TRAINED, Rule
 
 HERE = "what this trainer does"
 S_INIT = "rlxf/training/initialize.py parse_args_from_config (model < training < role), Megatron validate_args"

@@ -8,7 +8,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from llm.alignment.ppo.mindspeed.translation import Given, Translation
+from llm.settings.dialects.mindspeed.rule_types import Given, Translation
 
 
 def same(annotation: Any, ok: Callable[[Any, Translation, str], bool], meaning: str, fix: str):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from llm.alignment.ppo.mindspeed.rules import RULES
-from llm.alignment.ppo.mindspeed.translation import ALL, ROLE_PLACES, Given, Translation
-from llm.utils import fields
+from llm.settings.dialects.mindspeed.names import RULES
+from llm.settings.dialects.mindspeed.rule_types import ALL, ROLE_PLACES, Given, Translation
+from llm.settings import fields
 from llm.utils.errors import closest
 
 

@@ -1,13 +1,13 @@
 """Reading and checking a PPO configuration in MindSpeed-LLM's layout (the schema: sections.py, whose names
 are importable from here too): ``training`` defaults that roles override, one section per role,
-``algorithm``, ``resource_pool`` and ``data``. Every value is type-checked (``llm.utils.fields``) and sizes
+``algorithm``, ``resource_pool`` and ``data``. Every value is type-checked (``llm.settings.fields``) and sizes
 are bounded (``metadata={"min": ...}``); unknown keys stop the run naming the section, the key and the
 closest valid names. Choices that are registries (``reward.type``: rewards/; estimators and KL
 controllers: algorithm.py) are checked against the registry, which lists the valid names.
 
 Files: JSON or YAML, in this layout or in MindSpeed-LLM's own (``defaults`` model files,
 ``actor_rollout_ref: {actor_rollout, ref}``, Megatron names, ``resource_pool`` lists), which
-``llm.alignment.ppo.mindspeed`` translates into this one.
+``llm.settings.dialects.mindspeed`` translates into this one.
 
 Command line: ``--section.field value`` (``--actor_rollout.learning_rate 1e-6``), parsed by the field's
 type; a bare ``--field value`` sets a ``training`` field.
@@ -23,11 +23,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from llm.alignment.ppo import mindspeed
+from llm.settings.dialects import mindspeed
 from llm.alignment.ppo.algorithm import ADV_ESTIMATORS, KL_CONTROLLERS, kl_kinds
 from llm.alignment.ppo.lora import validate_lora
 from llm.alignment.ppo.rewards import PRM_AGGREGATIONS, model_types, reward_type
-from llm.alignment.ppo.sections import (  # noqa: F401 - the schema, importable from here too
+from llm.settings.ppo import (  # noqa: F401 - the schema, importable from here too
     ROLES,
     SECTIONS,
     ActorRolloutSection,
@@ -41,7 +41,7 @@ from llm.alignment.ppo.sections import (  # noqa: F401 - the schema, importable 
     RewardSection,
     TrainingSection,
 )
-from llm.utils import fields
+from llm.settings import fields
 from llm.utils.errors import UserError, closest
 from llm.utils.paths import resolve_input_path, resolve_paths, tried
 
