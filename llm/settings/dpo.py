@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from llm.alignment.dpo.loss import LOSSES, loss_spec
 from llm.settings.flat import DataArgument, ModelArgument, TrainingArguments
@@ -22,6 +23,7 @@ class DPOModelArgument(ModelArgument):
 
 @dataclass
 class DPOTrainingArguments(TrainingArguments):
+    script: ClassVar[str] = "dpo"
     loss_type: str = field(
         default="sigmoid",
         metadata={"help": f"Preference loss: {' | '.join(LOSSES)} (formulas in llm/alignment/dpo/loss.py)."},

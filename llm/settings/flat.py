@@ -12,7 +12,7 @@ import json
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import transformers
@@ -20,6 +20,7 @@ import transformers
 from llm.utils.distributed import Layout, has_accelerator, parse_layout
 from llm.utils.errors import UserError, closest
 from llm.settings.fields import build, command_line_pairs, init_fields, parse_text, type_hints
+from llm.settings.dialects.openrlhf import LAUNCH_SCRIPT_EXTENSIONS, read_launch_script
 from llm.settings.dialects.paddle import PADDLE_NAMES, translate
 from llm.utils.paths import resolve_input_path, resolve_paths, tried
 from llm.utils.rundir import check_output_dir
@@ -223,6 +224,7 @@ class TrainingArguments(transformers.TrainingArguments):
             "directory stops the run at start-up."
         },
     )
+    script: ClassVar[str] = "sft"  # which run_*.py reads these arguments (an OpenRLHF launch script must match)
     # Lines about the config for the log (PaddleNLP names with no effect here, ...), filled by parse_arguments.
     config_notes: list[str] = field(default_factory=list, init=False, repr=False)
 
@@ -415,13 +417,17 @@ def parse_arguments(
     PaddleNLP's own names in ``paddle`` are translated first (``llm.settings.dialects.paddle``); relative input paths are
     resolved (``llm.utils.paths``). Lines worth logging land in ``TrainingArguments.config_notes``.
     """
-    if not argv or not argv[0].endswith(".json"):
-        raise UserError("usage: run_x.py CONFIG.json [--field value ...]")
+    if not argv or not argv[0].endswith((".json", *LAUNCH_SCRIPT_EXTENSIONS)):
+        raise UserError("usage: run_x.py CONFIG.json|LAUNCH_SCRIPT.sh [--field value ...]")
     path = argv[0]
-    config = read_config(path)
+    notes: list[str] = []
+    if path.endswith(LAUNCH_SCRIPT_EXTENSIONS):  # an OpenLLaMA2 / OpenRLHF command line (dialects/openrlhf.py)
+        script = next((getattr(cls, "script") for cls in types if hasattr(cls, "script")), "sft")
+        config = read_launch_script(path, script, notes)
+    else:
+        config = read_config(path)
     owner = {name: cls for cls in types for name in init_fields(cls)}
     annotations = {name: type_hints(cls)[name] for name, cls in owner.items()}
-    notes: list[str] = []
     config = translate(config, set(owner), path, notes, paddle)
     for key in config:
         if key not in owner:

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from llm.settings.dialects import mindspeed
+from llm.settings.dialects.openrlhf import LAUNCH_SCRIPT_EXTENSIONS, read_launch_script
 from llm.alignment.ppo.algorithm import ADV_ESTIMATORS, KL_CONTROLLERS, kl_kinds
 from llm.alignment.ppo.lora import validate_lora
 from llm.alignment.ppo.rewards import PRM_AGGREGATIONS, model_types, reward_type
@@ -158,11 +159,14 @@ def resolve_input_paths(c: PPOConfig, path: str) -> None:
 
 def parse_ppo_config(argv: list[str]) -> PPOConfig:
     """``CONFIG.{json,yaml} [--section.field value ...]`` -> a checked ``PPOConfig``."""
-    if not argv or not argv[0].endswith(CONFIG_EXTENSIONS):
-        raise UserError("usage: run_ppo.py CONFIG.json|CONFIG.yaml [--section.field value ...]")
+    if not argv or not argv[0].endswith((*CONFIG_EXTENSIONS, *LAUNCH_SCRIPT_EXTENSIONS)):
+        raise UserError("usage: run_ppo.py CONFIG.json|CONFIG.yaml|LAUNCH_SCRIPT.sh [--section.field value ...]")
     path = argv[0]
-    raw, found = read_config(path)
     notes: list[str] = []
+    if path.endswith(LAUNCH_SCRIPT_EXTENSIONS):  # an OpenLLaMA2 / OpenRLHF command line (dialects/openrlhf.py)
+        raw, found = read_launch_script(path, "ppo", notes), path
+    else:
+        raw, found = read_config(path)
     if mindspeed.is_mindspeed_layout(raw):
         raw = mindspeed.translate(raw, path, found, notes)
     for key in raw:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from llm.settings.flat import DataArgument, ModelArgument, TrainingArguments
 from llm.utils.errors import UserError
@@ -26,6 +27,7 @@ class RewardModelArgument(ModelArgument):
 
 @dataclass
 class RewardTrainingArguments(TrainingArguments):
+    script: ClassVar[str] = "rm"
     process_reward: bool = field(default=False, metadata={"help": "true: process reward model (PRM); false: ORM."})
     margin: float = field(default=0.0, metadata={"help": "ORM: loss -log sigmoid(s_c - s_r - margin)."})
     center_rewards_coefficient: float = field(
