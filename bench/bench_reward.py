@@ -234,9 +234,9 @@ def training_settings(args, out_dir: str) -> dict:
 
 def build_ours(args, task: str, model_dir: str, data_path: str, common: dict):
     """orm/ours, prm/ours: ``build_reward_trainer``; returns (trainer, counter, pack pad ratio, examples)."""
-    from llm.settings.reward import RewardModelArgument, RewardTrainingArguments
     from llm.alignment.rm.build import build_reward_trainer
     from llm.settings.flat import DataArgument
+    from llm.settings.reward import RewardModelArgument, RewardTrainingArguments
 
     real = args.model_dir is not None
     model_args = RewardModelArgument(

@@ -17,7 +17,6 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from llm.alignment.ppo.build import Place, build_reward
-from llm.settings.ppo_validation import parse_ppo_config
 from llm.alignment.ppo.records import RoleFailure, Samples
 from llm.alignment.ppo.rewards import HttpReward, ORMReward, RuleReward
 from llm.data.tokenize import OverlongCounter, encode_all
@@ -25,6 +24,7 @@ from llm.run_dpo import main as dpo_main
 from llm.run_finetune import main as sft_main
 from llm.run_ppo import main as ppo_main
 from llm.run_reward import main as reward_main
+from llm.settings.ppo_validation import parse_ppo_config
 from llm.utils.errors import UserError, run_cli
 from tests.helpers import ROOT, tiny_model, tokenizer
 

@@ -15,9 +15,9 @@ import torch
 
 from llm.run_ppo import main as ppo_main
 from llm.run_reward import main as reward_main
+from llm.settings.fingerprint import differing_fields, run_fingerprint
 from llm.utils.checkpoints import MARKER, checkpoint_problem, latest_checkpoint, load_tree, read_json
 from llm.utils.errors import UserError, run_cli
-from llm.settings.fingerprint import differing_fields, run_fingerprint
 from tests.helpers import ROOT
 from tests.test_ppo_run import config as ppo_config
 from tests.test_ppo_run import history as ppo_history
@@ -79,8 +79,8 @@ def full_run(tmp_path_factory):
 def test_fingerprint_ignores_where_and_how_often_and_names_what_differs(tmp_path):
     import functools
 
-    from llm.settings.reward import REWARD_ARGUMENT_TYPES
     from llm.settings.flat import parse_arguments as parse
+    from llm.settings.reward import REWARD_ARGUMENT_TYPES
 
     parse_arguments = functools.partial(parse, types=REWARD_ARGUMENT_TYPES)  # a reward config
     base = os.path.join(ROOT, "llm", "config", "tiny", "prm_argument.json")

@@ -387,8 +387,8 @@ def test_accumulation_4x1_equals_batch_4(tmp_path, setup, loss_type, kw):
 
 # --- the loss registry ----------------------------------------------------------------------------
 def test_an_unregistered_loss_type_is_refused_with_the_valid_ones():
-    from llm.settings.dpo import DPOTrainingArguments
     from llm.alignment.dpo.loss import LOSSES
+    from llm.settings.dpo import DPOTrainingArguments
     from llm.utils.errors import UserError
 
     with pytest.raises(UserError) as err:
@@ -397,7 +397,7 @@ def test_an_unregistered_loss_type_is_refused_with_the_valid_ones():
     assert list(LOSSES) == ["sigmoid", "hinge", "ipo", "simpo", "orpo"]
 
 
-def test_a_registered_loss_is_read_by_validation_and_the_trainer(monkeypatch):
+def test_a_registered_loss_is_read_by_validation_and_the_trainer(request):
     """Adding a loss is one LossSpec and one register_loss: the arguments accept it with its properties
     (a reference-free loss refuses reference_free, a smoothing-free one label_smoothing) and preference_loss
     computes it."""
@@ -405,7 +405,7 @@ def test_a_registered_loss_is_read_by_validation_and_the_trainer(monkeypatch):
     from llm.settings.dpo import DPOTrainingArguments
     from llm.utils.errors import UserError
 
-    monkeypatch.setattr(loss_module, "LOSSES", dict(loss_module.LOSSES))
+    request.addfinalizer(lambda: loss_module.LOSSES.remove("margin_only"))  # the registry is shared
     spec = loss_module.LossSpec(lambda pol, ref, beta, ls, gamma: beta * (pol.rejected - pol.chosen), False)
     loss_module.register_loss("margin_only", spec)
     with pytest.raises(ValueError, match="twice"):

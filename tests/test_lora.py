@@ -19,11 +19,9 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from llm.settings.dpo import DPO_ARGUMENT_TYPES
 from llm.alignment.dpo.build import build_dpo_trainer
 from llm.alignment.dpo.loss import LOSSES
 from llm.alignment.dpo.trainer import DPOTrainer, collate_pairs
-from llm.settings.reward import REWARD_ARGUMENT_TYPES
 from llm.alignment.rm.build import build_reward_trainer
 from llm.alignment.sft.build import build_sft_trainer
 from llm.data.packing import pack
@@ -33,6 +31,8 @@ from llm.data.tokenize_lm import encode_pair_for_lm
 from llm.run_dpo import main as dpo_main
 from llm.run_finetune import main as sft_main
 from llm.run_reward import main as reward_main
+from llm.settings.dialects.paddle import PADDLE_REWARD_NAMES
+from llm.settings.dpo import DPO_ARGUMENT_TYPES
 from llm.settings.flat import (
     ARGUMENT_TYPES,
     ModelArgument,
@@ -40,12 +40,12 @@ from llm.settings.flat import (
     parse_arguments,
     validate_arguments,
 )
+from llm.settings.reward import REWARD_ARGUMENT_TYPES
 from llm.utils.distributed import Layout
 from llm.utils.entry import train_and_evaluate
 from llm.utils.errors import UserError, run_cli
 from llm.utils.lora import DEFAULT_TARGETS, MERGED_DIR, apply_lora, check_lora_arguments
 from llm.utils.modeling import load_model
-from llm.settings.dialects.paddle import PADDLE_REWARD_NAMES
 from tests.helpers import ROOT, tiny_model, tokenizer
 
 TINY = os.path.join(ROOT, "llm", "config", "tiny")

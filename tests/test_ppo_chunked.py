@@ -15,12 +15,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from llm.alignment.lm import chunked
 from llm.alignment.ppo.algorithm import full_kl, policy_loss, token_stats
 from llm.alignment.ppo.build import build_from_models
-from llm.settings.ppo_validation import parse_ppo_config
 from llm.alignment.ppo.engine import per_token
 from llm.alignment.ppo.fsdp import head_linear
 from llm.alignment.ppo.prompts import Prompt
 from llm.alignment.ppo.roles import PolicyModel
 from llm.run_ppo import main
+from llm.settings.ppo_validation import parse_ppo_config
 from tests.helpers import tiny_model, tokenizer
 from tests.test_ppo_memory import fixed_samples
 from tests.test_ppo_run import config, history

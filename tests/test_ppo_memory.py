@@ -13,13 +13,13 @@ from transformers import AutoModelForSequenceClassification
 
 from llm.alignment.ppo.build import Place, build_actor, build_critic, build_ref, build_reward
 from llm.alignment.ppo.checkpoint import OPTIMIZER_FILE
-from llm.settings.ppo_validation import parse_ppo_config
 from llm.alignment.ppo.offload import HOST, HostAdamW, OffloadedTrainableRole, offload_when_idle
 from llm.alignment.ppo.optim import TrainableRole
 from llm.alignment.ppo.records import PolicyBatch, Samples, ValueBatch
 from llm.alignment.ppo.rewards import ORMReward
 from llm.alignment.ppo.roles import ActorRole, CriticRole, PolicyModel
 from llm.alignment.ppo.update import PolicyUpdate, ValueUpdate
+from llm.settings.ppo_validation import parse_ppo_config
 from llm.utils.errors import UserError
 from tests.helpers import tiny_model, tokenizer
 from tests.test_ppo_run import ORM_REWARD, config

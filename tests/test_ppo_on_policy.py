@@ -6,8 +6,8 @@ import pytest
 from safetensors.torch import load_file
 
 from llm.alignment.ppo.roles import ActorRole
-from llm.settings.ppo import PPOConfig
 from llm.run_ppo import main
+from llm.settings.ppo import PPOConfig
 from tests.test_ppo_run import config, history
 
 # 4 prompts x 2 samples = one mini-batch of 8; a KL loss and a KL statistic against the reference

@@ -12,18 +12,11 @@ import math
 import pytest
 import torch
 
-from llm.alignment.ppo.algorithm import (
-    ADV_ESTIMATORS,
-    KL_CONTROLLERS,
-    KL_ESTIMATORS,
-    RunningMoments,
-    kl_estimate,
-    kl_kinds,
-    shape_scores,
-)
+from llm.alignment.ppo.algorithm import RunningMoments, kl_estimate, shape_scores
 from llm.alignment.ppo.build import Place, build_actor
-from llm.settings.ppo_validation import parse_ppo_config
 from llm.alignment.ppo.records import PolicyBatch
+from llm.settings.ppo_validation import parse_ppo_config
+from llm.settings.registry import ADV_ESTIMATORS, KL_CONTROLLERS, KL_ESTIMATORS, kl_kinds
 from llm.utils.errors import UserError
 from tests.test_ppo_memory import fixed_samples
 from tests.test_ppo_run import config as ppo_config

@@ -34,11 +34,9 @@ import torch
 from llm.alignment.dpo.trainer import DPOTrainer, collate_pairs
 from llm.alignment.lm import load_causal_lm, weights_dtype
 from llm.alignment.ppo.build import Place, build_actor, build_critic
-from llm.settings.ppo_validation import parse_ppo_config
 from llm.alignment.ppo.offload import OffloadedTrainableRole
 from llm.alignment.ppo.optim import TrainableRole
 from llm.alignment.ppo.records import PolicyBatch, ValueBatch
-from llm.settings.reward import RewardModelArgument, RewardTrainingArguments
 from llm.alignment.rm.build import build_reward_model
 from llm.alignment.rm.trainer import RewardTrainer
 from llm.alignment.sft.trainer import SFTTrainer
@@ -47,6 +45,8 @@ from llm.data.readers import iter_records
 from llm.data.tokenize import EncodeConfig, OverlongCounter, encode_pair_for_scores, encode_prm
 from llm.data.tokenize_lm import encode_pair_for_lm, encode_sft
 from llm.settings.flat import ModelArgument
+from llm.settings.ppo_validation import parse_ppo_config
+from llm.settings.reward import RewardModelArgument, RewardTrainingArguments
 from llm.utils.errors import UserError
 from llm.utils.precision import MasterWeightAdamW
 from tests.helpers import ROOT, tiny_model, tokenizer

@@ -341,9 +341,9 @@ def test_reward_server_scores_as_the_training_run_evaluated(tmp_path, trained_pr
 
     from llm.alignment.ppo.records import Samples
     from llm.alignment.ppo.rewards import HttpReward
-    from llm.settings.reward import REWARD_ARGUMENT_TYPES
     from llm.alignment.rm.serve import ServeArgument, build_scorer, make_server
     from llm.settings.flat import parse_arguments
+    from llm.settings.reward import REWARD_ARGUMENT_TYPES
 
     cfg = tmp_path / "serve.json"
     fields = {"model_name_or_path": str(trained_prm), "process_reward": True, "placeholder_token": "§"}
@@ -472,10 +472,10 @@ def test_orm_loss_equals_trl_reward_trainer(tmp_path, tok, scorer):
     from trl import RewardConfig
     from trl import RewardTrainer as TRLRewardTrainer
 
-    from llm.settings.reward import RewardTrainingArguments
     from llm.alignment.rm.trainer import RewardTrainer
     from llm.data.packing import collate, pack
     from llm.data.tokenize import OverlongCounter, encode_pair_for_scores
+    from llm.settings.reward import RewardTrainingArguments
 
     records, cfg = pairs(tok)
     examples = [encode_pair_for_scores(r, tok, cfg, i, OverlongCounter()) for i, r in enumerate(records)]

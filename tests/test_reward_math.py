@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from llm.settings.reward import RewardTrainingArguments as TrainingArguments
 from llm.alignment.rm.loss import pairwise_loss, step_loss
 from llm.alignment.rm.trainer import RewardTrainer
 from llm.data.packing import collate, pack
 from llm.data.tokenize import EncodeConfig, OverlongCounter, encode_pair_for_scores, encode_prm
+from llm.settings.reward import RewardTrainingArguments as TrainingArguments
 from tests.helpers import ROOT, tiny_model, tokenizer, twin
 
 SAMPLE = os.path.join(ROOT, "llm", "data", "sample")

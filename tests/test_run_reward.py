@@ -558,9 +558,9 @@ def test_best_model_by_loss_with_a_dev_split_without_loss_items_stops_before_tra
 def test_best_model_check_counts_loss_items_of_the_packed_dev_rows(tmp_path):
     """The start-up check and the guard at each evaluation, on a built trainer: a dev split with one labelled
     record among the candidates passes; an evaluation without the metric is one UserError, not a KeyError."""
-    from llm.settings.reward import REWARD_ARGUMENT_TYPES
     from llm.alignment.rm.build import build_reward_trainer
     from llm.settings.flat import parse_arguments, validate_arguments
+    from llm.settings.reward import REWARD_ARGUMENT_TYPES
     from llm.utils.errors import UserError
 
     dev = tmp_path / "dev.jsonl"

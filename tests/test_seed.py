@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from llm.alignment.ppo.build import Place, build_critic
-from llm.settings.ppo_validation import parse_ppo_config
 from llm.run_reward import main
+from llm.settings.ppo_validation import parse_ppo_config
 from tests.helpers import tiny_model
 from tests.test_ppo_run import config as ppo_config
 from tests.test_run_reward import config, small_split, train_losses

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from llm.alignment.dpo.loss import LOSSES, loss_spec
 from llm.settings.flat import DataArgument, ModelArgument, TrainingArguments
+from llm.settings.registry import DPO_LOSSES
 from llm.utils.errors import UserError
 
 
@@ -26,7 +26,10 @@ class DPOTrainingArguments(TrainingArguments):
     script: ClassVar[str] = "dpo"
     loss_type: str = field(
         default="sigmoid",
-        metadata={"help": f"Preference loss: {' | '.join(LOSSES)} (formulas in llm/alignment/dpo/loss.py)."},
+        metadata={
+            "help": "Preference loss, a registered loss_type: sigmoid | hinge | ipo | simpo | orpo (formulas in "
+            "llm/alignment/dpo/loss.py)."
+        },
     )
     beta: float = field(
         default=0.1,
@@ -60,13 +63,13 @@ class DPOTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self) -> None:
-        spec = loss_spec(self.loss_type)
+        spec = DPO_LOSSES.lookup(self.loss_type)
         if self.beta <= 0:
             raise UserError(f"beta must be > 0, got {self.beta}")
         if not 0 <= self.label_smoothing < 0.5:
             raise UserError(f"label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
         if self.label_smoothing and not spec.label_smoothing:
-            smoothed = [name for name, s in LOSSES.items() if s.label_smoothing]
+            smoothed = [name for name, s in DPO_LOSSES.items() if s.label_smoothing]
             raise UserError(
                 f"label_smoothing has no effect with loss_type={self.loss_type!r}: set it to 0 "
                 f"(it applies to {' and '.join(smoothed)})"
@@ -88,7 +91,7 @@ class DPOTrainingArguments(TrainingArguments):
 
     @property
     def uses_reference(self) -> bool:
-        return loss_spec(self.loss_type).needs_reference and not self.reference_free
+        return DPO_LOSSES.lookup(self.loss_type).needs_reference and not self.reference_free
 
 
 DPO_ARGUMENT_TYPES = (DPOModelArgument, DataArgument, DPOTrainingArguments)

@@ -17,11 +17,11 @@ from typing import Any, ClassVar
 import torch
 import transformers
 
-from llm.utils.distributed import Layout, has_accelerator, parse_layout
-from llm.utils.errors import UserError, closest
-from llm.settings.fields import build, command_line_pairs, init_fields, parse_text, type_hints
 from llm.settings.dialects.openrlhf import LAUNCH_SCRIPT_EXTENSIONS, read_launch_script
 from llm.settings.dialects.paddle import PADDLE_NAMES, translate
+from llm.settings.fields import build, command_line_pairs, init_fields, parse_text, type_hints
+from llm.utils.distributed import Layout, has_accelerator, parse_layout
+from llm.utils.errors import UserError, closest
 from llm.utils.paths import resolve_input_path, resolve_paths, tried
 from llm.utils.rundir import check_output_dir
 
@@ -422,7 +422,7 @@ def parse_arguments(
     path = argv[0]
     notes: list[str] = []
     if path.endswith(LAUNCH_SCRIPT_EXTENSIONS):  # an OpenLLaMA2 / OpenRLHF command line (dialects/openrlhf.py)
-        script = next((getattr(cls, "script") for cls in types if hasattr(cls, "script")), "sft")
+        script = next((cls.script for cls in types if hasattr(cls, "script")), "sft")
         config = read_launch_script(path, script, notes)
     else:
         config = read_config(path)

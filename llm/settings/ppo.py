@@ -8,8 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from llm.alignment.ppo.algorithm import ADV_ESTIMATORS
-from llm.alignment.ppo.rewards import check_reward_url
+from llm.settings.registry import ADV_ESTIMATORS
 from llm.utils.errors import UserError
 
 
@@ -21,6 +20,22 @@ def _f(default: Any, text: str | None = None, low: float | None = None) -> Any:
     if low is not None:
         metadata["min"] = low
     return field(default=default, metadata=metadata)
+
+
+def check_reward_url(url: str) -> None:
+    """``reward.url`` must be an http:// or https:// URL with a host (never file://, ftp://, ...)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a bad port
+    except ValueError as err:
+        raise UserError(f"reward.url {url!r} is not a valid URL ({err})") from None
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        raise UserError(
+            f"reward.url {url!r}: only http:// and https:// URLs with a host are allowed (e.g. "
+            "http://127.0.0.1:8000/score)"
+        )
 
 
 @dataclass
@@ -412,3 +427,12 @@ class PPOConfig:
     def uses_critic(self) -> bool:
         estimator = ADV_ESTIMATORS.get(self.algorithm.adv_estimator)  # None: refused by validate_ppo_config
         return estimator is not None and estimator.needs_critic
+
+
+LORA_ROLES = ("actor_rollout", "critic")  # the trained roles, which may train LoRA adapters
+
+
+def shares_actor_base(c: PPOConfig) -> bool:
+    """The reference is the LoRA actor's own base (``ref`` names no other model): the adapter disabled."""
+    a = c.actor_rollout
+    return a.lora and c.ref.model_name_or_path in (None, a.model_name_or_path)

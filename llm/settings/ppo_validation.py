@@ -23,12 +23,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from llm.settings import fields
 from llm.settings.dialects import mindspeed
 from llm.settings.dialects.openrlhf import LAUNCH_SCRIPT_EXTENSIONS, read_launch_script
-from llm.alignment.ppo.algorithm import ADV_ESTIMATORS, KL_CONTROLLERS, kl_kinds
-from llm.alignment.ppo.lora import validate_lora
-from llm.alignment.ppo.rewards import PRM_AGGREGATIONS, model_types, reward_type
 from llm.settings.ppo import (  # noqa: F401 - the schema, importable from here too
+    LORA_ROLES,
     ROLES,
     SECTIONS,
     ActorRolloutSection,
@@ -41,9 +40,11 @@ from llm.settings.ppo import (  # noqa: F401 - the schema, importable from here 
     ResourcePool,
     RewardSection,
     TrainingSection,
+    shares_actor_base,
 )
-from llm.settings import fields
+from llm.settings.registry import ADV_ESTIMATORS, KL_CONTROLLERS, PRM_AGGREGATIONS, kl_kinds, model_types, reward_type
 from llm.utils.errors import UserError, closest
+from llm.utils.lora import check_lora_fields
 from llm.utils.paths import resolve_input_path, resolve_paths, tried
 
 logger = logging.getLogger(__name__)
@@ -375,3 +376,35 @@ def validate_resource_pool(pool: ResourcePool, path: str) -> None:
                 f"{path}: resource_pool.colocate: {group} share one process and its devices, so they need equal "
                 f"amounts ({listed})"
             )
+
+
+def validate_lora(c: PPOConfig, path: str) -> None:
+    """The flat trainers' checks of each trained role's LoRA fields, then what PPO's placement cannot do."""
+    pool = c.resource_pool
+    for role in LORA_ROLES:
+        section = getattr(c, role)
+        try:
+            check_lora_fields(section, prefix=f"{role}.")
+        except UserError as err:
+            raise UserError(f"{path}: {err}") from None
+        if section.lora and pool.use_ray and pool.amount(role) > 1:
+            raise UserError(
+                f"{path}: {role}.lora with resource_pool.{role}={pool.amount(role):g}: a role on more than one device "
+                "is sharded with FSDP2, which is not available for LoRA in this build (peft's adapters are not "
+                f"placed with the sharded base); give {role} one device (or a share of one), or set {role}.lora false"
+            )
+    if not shares_actor_base(c):
+        return
+    for name, value, default in (("dtype", c.ref.dtype, None), ("offload", c.ref.offload, False)):
+        if value != default:
+            raise UserError(
+                f"{path}: ref.{name}: with actor_rollout.lora the reference is the actor's own model with the adapter "
+                "disabled (no model of its own), so it has no dtype or offload of its own; remove ref."
+                f"{name}, or give ref.model_name_or_path to load a separate reference"
+            )
+    if pool.use_ray and not any({"actor_rollout", "ref"} <= set(group) for group in pool.colocate):
+        raise UserError(
+            f"{path}: actor_rollout.lora with resource_pool.use_ray: the reference is the actor's own model with the "
+            'adapter disabled, so it must run in the actor\'s process: add ["actor_rollout", "ref"] to '
+            "resource_pool.colocate (with equal amounts), or give ref.model_name_or_path to load a separate reference"
+        )

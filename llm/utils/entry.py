@@ -7,8 +7,8 @@ import logging
 import os
 
 from llm.data.pipeline import overlong_results
-from llm.utils import preemption
 from llm.settings.flat import DataArgument, TrainingArguments
+from llm.utils import preemption
 from llm.utils.checkpoints import begin_final, final_model_complete, finish_final
 from llm.utils.distributed import barrier
 from llm.utils.logging import resume_checkpoint

@@ -8,7 +8,6 @@ import logging
 
 from transformers import PreTrainedTokenizerBase
 
-from llm.settings.dpo import DPOModelArgument, DPOTrainingArguments
 from llm.alignment.dpo.loss import loss_spec
 from llm.alignment.dpo.trainer import DPOTrainer, collate_pairs
 from llm.alignment.lm import load_causal_lm
@@ -16,6 +15,7 @@ from llm.alignment.sft.build import encode_config
 from llm.data.pipeline import PackedData, load_packed, plan_summary, train_and_dev
 from llm.data.tokenize import resolve_chat_template
 from llm.data.tokenize_lm import encode_pair_for_lm
+from llm.settings.dpo import DPOModelArgument, DPOTrainingArguments
 from llm.settings.flat import DataArgument, recompute_mode
 from llm.utils.attention import kernel_for
 from llm.utils.errors import UserError

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from llm.utils.errors import UserError, closest
+from llm.settings.registry import DPO_LOSSES
 
 
 class PairLogProbs(NamedTuple):
@@ -127,24 +127,17 @@ class LossSpec:
     nll_term: bool = False
 
 
-LOSSES: dict[str, LossSpec] = {}
+LOSSES = DPO_LOSSES  # name -> LossSpec (llm.settings.registry, read by validation too)
 
 
 def register_loss(name: str, spec: LossSpec) -> LossSpec:
     """Add a ``loss_type``: validation (``DPOTrainingArguments``), data building and the trainer read it."""
-    if name in LOSSES:
-        raise ValueError(f"loss_type {name!r} is registered twice")
-    LOSSES[name] = spec
-    return spec
+    return LOSSES.add(name, spec)
 
 
 def loss_spec(loss_type: str) -> LossSpec:
     """The registered spec of ``loss_type``; an unknown name is refused with the valid ones."""
-    if loss_type not in LOSSES:
-        raise UserError(
-            f"loss_type must be one of {', '.join(LOSSES)}, got {loss_type!r} (closest: {closest(loss_type, LOSSES)})"
-        )
-    return LOSSES[loss_type]
+    return LOSSES.lookup(loss_type)
 
 
 register_loss(

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llm.settings.registry import ADV_ESTIMATORS, EXACT_KL, KL_CONTROLLERS, KL_ESTIMATORS
+
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return (x * mask).sum() if dim is None else (x * mask).sum(dim)
@@ -39,7 +41,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
 
 
 # --- KL estimators (Schulman, "Approximating KL divergence", 2020) ---------------------------------
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}  # name -> f(log p - log q) per token
+# KL_ESTIMATORS (llm.settings.registry): name -> f(log p - log q) per token
 
 
 def register_kl_estimator(*names: str):
@@ -47,9 +49,9 @@ def register_kl_estimator(*names: str):
 
     def add(fn):
         for name in names:
-            if name in KL_ESTIMATORS or name == "full":
-                raise ValueError(f"KL estimator {name!r} is registered twice")
-            KL_ESTIMATORS[name] = fn
+            if name == EXACT_KL:
+                raise ValueError(f"KL estimator {name!r} is reserved for the exact KL")
+            KL_ESTIMATORS.add(name, fn)
         return fn
 
     return add
@@ -86,11 +88,6 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -
     if kind not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {kind!r}")
     return KL_ESTIMATORS[kind](logprobs - ref_logprobs)
-
-
-def kl_kinds() -> tuple[str, ...]:
-    """Every ``algorithm.kl_penalty``: the registered estimators and ``full`` (the exact KL)."""
-    return (*KL_ESTIMATORS, "full")
 
 
 def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
@@ -148,11 +145,9 @@ class AdaptiveKLController:
         self.value *= 1.0 + error * n_steps / self.horizon
 
 
-KL_CONTROLLERS: dict[str, Callable] = {
-    # algorithm.kl_ctrl.type -> controller built from the kl_ctrl section (kl_coef, target_kl, horizon)
-    "fixed": lambda ctl: FixedKLController(ctl.kl_coef),
-    "adaptive": lambda ctl: AdaptiveKLController(ctl.kl_coef, ctl.target_kl, ctl.horizon),
-}
+# algorithm.kl_ctrl.type -> controller built from the kl_ctrl section (kl_coef, target_kl, horizon)
+KL_CONTROLLERS.add("fixed", lambda ctl: FixedKLController(ctl.kl_coef))
+KL_CONTROLLERS.add("adaptive", lambda ctl: AdaptiveKLController(ctl.kl_coef, ctl.target_kl, ctl.horizon))
 
 
 # --- rewards -----------------------------------------------------------------------------------------
@@ -260,14 +255,9 @@ class AdvantageEstimator:
     grouped: bool = False
 
 
-ADV_ESTIMATORS: dict[str, AdvantageEstimator] = {}
-
-
 def register_adv_estimator(name: str, estimator: AdvantageEstimator) -> AdvantageEstimator:
-    if name in ADV_ESTIMATORS:
-        raise ValueError(f"advantage estimator {name!r} is registered twice")
-    ADV_ESTIMATORS[name] = estimator
-    return estimator
+    """``algorithm.adv_estimator: name`` (the registry ``ADV_ESTIMATORS``, llm.settings.registry)."""
+    return ADV_ESTIMATORS.add(name, estimator)
 
 
 def _outcome_advantages(kind: str):

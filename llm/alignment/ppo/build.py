@@ -18,15 +18,15 @@ from collections.abc import Iterator
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from llm.alignment.ppo.loading import Place, actor_tokenizer, load, offload_idle, optimizer_for
-from llm.alignment.ppo.lora import ActorBase, shares_actor_base, with_lora
+from llm.alignment.ppo.lora import ActorBase, with_lora
 from llm.alignment.ppo.prompts import Prompt, prompts_from_records
 from llm.alignment.ppo.rewards import ORMReward, RewardFunction, reward_type, same_vocabulary
 from llm.alignment.ppo.roles import ActorRole, CriticRole, PolicyModel
-from llm.settings.ppo import PPOConfig
 from llm.alignment.ppo.trainer import PPOTrainer
 from llm.alignment.ppo.update import PolicyUpdate, ValueUpdate
 from llm.data.readers import load_dataset_records
 from llm.data.tokenize import resolve_chat_template
+from llm.settings.ppo import PPOConfig, shares_actor_base
 from llm.utils.errors import UserError
 from llm.utils.modeling import load_tokenizer
 from llm.utils.paths import resolve_paths

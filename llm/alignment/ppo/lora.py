@@ -22,58 +22,19 @@ from typing import TYPE_CHECKING
 
 from llm.alignment.ppo.roles import PolicyModel
 from llm.utils.errors import UserError
-from llm.utils.lora import apply_lora, check_lora_fields, reference_model
+from llm.utils.lora import apply_lora, reference_model
 
 if TYPE_CHECKING:
     from llm.alignment.ppo.records import Samples
     from llm.settings.ppo import PPOConfig
 
-LORA_ROLES = ("actor_rollout", "critic")
 TASKS = {"actor_rollout": "causal_lm", "critic": "seq_cls"}
-
-
-def shares_actor_base(c: PPOConfig) -> bool:
-    """The reference is the LoRA actor's own base (``ref`` names no other model): the adapter disabled."""
-    a = c.actor_rollout
-    return a.lora and c.ref.model_name_or_path in (None, a.model_name_or_path)
 
 
 def with_lora(c: PPOConfig, role: str, model):
     """``model`` with the adapters of ``role``'s section (peft), or as it is without ``lora``."""
     section = getattr(c, role)
     return apply_lora(model, section, TASKS[role]) if section.lora else model
-
-
-def validate_lora(c: PPOConfig, path: str) -> None:
-    """The flat trainers' checks of each trained role's LoRA fields, then what PPO's placement cannot do."""
-    pool = c.resource_pool
-    for role in LORA_ROLES:
-        section = getattr(c, role)
-        try:
-            check_lora_fields(section, prefix=f"{role}.")
-        except UserError as err:
-            raise UserError(f"{path}: {err}") from None
-        if section.lora and pool.use_ray and pool.amount(role) > 1:
-            raise UserError(
-                f"{path}: {role}.lora with resource_pool.{role}={pool.amount(role):g}: a role on more than one device "
-                "is sharded with FSDP2, which is not available for LoRA in this build (peft's adapters are not "
-                f"placed with the sharded base); give {role} one device (or a share of one), or set {role}.lora false"
-            )
-    if not shares_actor_base(c):
-        return
-    for name, value, default in (("dtype", c.ref.dtype, None), ("offload", c.ref.offload, False)):
-        if value != default:
-            raise UserError(
-                f"{path}: ref.{name}: with actor_rollout.lora the reference is the actor's own model with the adapter "
-                "disabled (no model of its own), so it has no dtype or offload of its own; remove ref."
-                f"{name}, or give ref.model_name_or_path to load a separate reference"
-            )
-    if pool.use_ray and not any({"actor_rollout", "ref"} <= set(group) for group in pool.colocate):
-        raise UserError(
-            f"{path}: actor_rollout.lora with resource_pool.use_ray: the reference is the actor's own model with the "
-            'adapter disabled, so it must run in the actor\'s process: add ["actor_rollout", "ref"] to '
-            "resource_pool.colocate (with equal amounts), or give ref.model_name_or_path to load a separate reference"
-        )
 
 
 class ActorBase(PolicyModel):

@@ -8,7 +8,6 @@ import logging
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedTokenizerBase
 
 from llm.alignment.lm import weights_dtype
-from llm.settings.reward import RewardModelArgument, RewardTrainingArguments
 from llm.alignment.rm.evaluation import AGGREGATIONS
 from llm.alignment.rm.trainer import CANDIDATE, RewardTrainer
 from llm.data.packing import Example, causal_example, collate
@@ -28,6 +27,7 @@ from llm.data.tokenize import (
     start_ids,
 )
 from llm.settings.flat import DataArgument, recompute_mode
+from llm.settings.reward import RewardModelArgument, RewardTrainingArguments
 from llm.utils.attention import kernel_for
 from llm.utils.errors import UserError
 from llm.utils.lora import apply_lora, check_lora_arguments, quantization_config

@@ -25,7 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
-from llm.alignment.ppo.rewards.model import PRM_AGGREGATIONS
+from llm.settings.registry import PRM_AGGREGATIONS
 from llm.utils.errors import UserError
 
 logger = logging.getLogger(__name__)

@@ -28,8 +28,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from llm.utils.errors import UserError
 from llm.settings.fields import check_value
+from llm.utils.errors import UserError
 from llm.utils.paths import resolve_input_path, tried
 
 # handler(value, where, notes) -> {our field: value}; ``notes`` collects lines for the log

@@ -1,4 +1,4 @@
-"""PPO's rewards, one module per kind, each type registered by name (base.py's ``REWARDS``), which the
+"""PPO's rewards, one module per kind, each type registered by name (``REWARDS``: the registry ``REWARD_TYPES`` of llm/settings/registry.py), which the
 config check and the builder both read:
 
 - ``rule`` (rule.py): a Python function ``module:function(prompt, response, reference)``;
@@ -14,13 +14,10 @@ from llm.alignment.ppo.rewards.base import (
     RewardFunction,
     RewardType,
     check_score,
-    model_types,
     register_reward,
-    reward_type,
 )
-from llm.alignment.ppo.rewards.http import HttpReward, check_reward_url
+from llm.alignment.ppo.rewards.http import HttpReward
 from llm.alignment.ppo.rewards.model import (
-    PRM_AGGREGATIONS,
     ORMReward,
     PRMReward,
     char_to_token_end,
@@ -30,6 +27,8 @@ from llm.alignment.ppo.rewards.model import (
     split_steps,
 )
 from llm.alignment.ppo.rewards.rule import RuleReward
+from llm.settings.ppo import check_reward_url
+from llm.settings.registry import PRM_AGGREGATIONS, model_types, reward_type
 
 __all__ = [
     "PRM_AGGREGATIONS",

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llm.alignment.ppo.records import RewardOutput, Samples
-from llm.utils.errors import UserError, closest
+from llm.settings.registry import REWARD_TYPES
+from llm.utils.errors import UserError
 
 if TYPE_CHECKING:
     from llm.alignment.ppo.loading import Place
@@ -51,7 +52,7 @@ class RewardType:
         return self.cls.from_config(c, place)
 
 
-REWARDS: dict[str, RewardType] = {}
+REWARDS = REWARD_TYPES  # name -> RewardType (llm.settings.registry, read by validation too)
 
 
 def register_reward(
@@ -60,27 +61,13 @@ def register_reward(
     """Class decorator: ``reward.type: name`` builds this class (``from_config``); see the module docstring."""
 
     def register(cls: type[RewardFunction]) -> type[RewardFunction]:
-        if name in REWARDS and REWARDS[name].cls is not cls:
-            raise ValueError(f"reward type {name!r} is registered already ({REWARDS[name].cls.__qualname__})")
-        REWARDS[name] = RewardType(name, cls, tuple(needs), has_model, value_head)
+        known = dict.get(REWARDS, name)  # not REWARDS.get: that would load the built-ins while they register
+        if known is not None and known.cls is not cls:
+            raise ValueError(f"reward type {name!r} is registered already ({known.cls.__qualname__})")
+        dict.__setitem__(REWARDS, name, RewardType(name, cls, tuple(needs), has_model, value_head))
         return cls
 
     return register
-
-
-def reward_type(name: str, where: str = "") -> RewardType:
-    """The registered type ``name``; an unknown one stops the run with the valid names."""
-    if name not in REWARDS:
-        valid = sorted(REWARDS)
-        raise UserError(
-            f"{where}reward.type must be one of {', '.join(valid)}, got {name!r} (closest: {closest(str(name), valid)})"
-        )
-    return REWARDS[name]
-
-
-def model_types() -> list[str]:
-    """The registered types that hold a reward model."""
-    return sorted(n for n, t in REWARDS.items() if t.has_model)
 
 
 # Rewards are float32 tensors from here on: a Python float beyond this (1e39) is finite but becomes inf there,

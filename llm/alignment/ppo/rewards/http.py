@@ -16,27 +16,11 @@ import torch
 
 from llm.alignment.ppo.records import RewardOutput, RoleFailure, Samples
 from llm.alignment.ppo.rewards.base import RewardFunction, check_score, register_reward
-from llm.utils.errors import UserError
+from llm.settings.ppo import check_reward_url
 
 if TYPE_CHECKING:
     from llm.alignment.ppo.loading import Place
     from llm.settings.ppo import PPOConfig
-
-
-def check_reward_url(url: str) -> None:
-    """``reward.url`` must be an http:// or https:// URL with a host (never file://, ftp://, ...)."""
-    from urllib.parse import urlsplit
-
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - raises ValueError for a bad port
-    except ValueError as err:
-        raise UserError(f"reward.url {url!r} is not a valid URL ({err})") from None
-    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
-        raise UserError(
-            f"reward.url {url!r}: only http:// and https:// URLs with a host are allowed (e.g. "
-            "http://127.0.0.1:8000/score)"
-        )
 
 
 class _Retry(Exception):

@@ -10,7 +10,6 @@ A reward model of another vocabulary than the actor's reads re-tokenised text (`
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +26,7 @@ from llm.alignment.rm.evaluation import AGGREGATIONS
 from llm.alignment.rm.loss import step_scores
 from llm.data.packing import causal_example
 from llm.data.tokenize import prm_response_ids, single_token_id
+from llm.settings.registry import PRM_AGGREGATIONS
 from llm.utils.errors import UserError
 from llm.utils.modeling import load_tokenizer
 
@@ -36,10 +36,9 @@ if TYPE_CHECKING:
 
 # prm_aggregation -> the outcome score of a sample's step scores (the evaluation's functions); "dense": none,
 # a reward per step
-PRM_AGGREGATIONS: dict[str, Callable[[list[float]], float] | None] = {
-    "dense": None,
-    **{name: AGGREGATIONS[name] for name in ("min", "last", "mean")},
-}
+PRM_AGGREGATIONS.add("dense", None)
+for _name in ("min", "last", "mean"):
+    PRM_AGGREGATIONS.add(_name, AGGREGATIONS[_name])
 
 
 def same_vocabulary(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> bool:

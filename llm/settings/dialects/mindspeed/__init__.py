@@ -19,9 +19,9 @@ name that cannot take effect here stops the run, unless its value means what thi
 """
 
 from llm.settings.dialects.mindspeed.architecture import ARCHITECTURE, KERNELS, check_architecture
+from llm.settings.dialects.mindspeed.convert import translate
 from llm.settings.dialects.mindspeed.files import is_mindspeed_layout, load_yaml
 from llm.settings.dialects.mindspeed.names import RULES
-from llm.settings.dialects.mindspeed.convert import translate
 from llm.settings.dialects.mindspeed.rule_types import (
     ACTOR,
     ALL,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from llm.settings import fields
 from llm.settings.dialects.mindspeed.names import RULES
 from llm.settings.dialects.mindspeed.rule_types import ALL, ROLE_PLACES, Given, Translation
-from llm.settings import fields
 from llm.utils.errors import closest
 
 

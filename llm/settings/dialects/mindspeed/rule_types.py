@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from llm.settings.ppo import SECTIONS
 from llm.settings import fields
+from llm.settings.ppo import SECTIONS
 from llm.utils.errors import UserError
 
 MINDSPEED_SECTIONS = (
