@@ -104,7 +104,8 @@ def worker(args) -> None:
     import torch
 
     from llm.alignment.rm.build import build_reward_trainer
-    from llm.settings.flat import parse_arguments, validate_arguments
+    from llm.settings.flat import validate_arguments
+    from llm.settings.load import parse_arguments
     from llm.utils.logging import setup_logging
 
     torch.set_num_threads(1)

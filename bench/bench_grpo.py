@@ -112,7 +112,7 @@ def prompt_texts(n: int) -> list[str]:
 
 def run_ours(a, engine: str) -> dict:
     from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
-    from llm.settings.ppo_validation import parse_ppo_config
+    from llm.settings.load import parse_ppo_config
 
     data = os.path.join(a.workdir, f"prompts_{os.getpid()}.jsonl")
     with open(data, "w", encoding="utf-8") as f:

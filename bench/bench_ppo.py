@@ -122,7 +122,7 @@ def prompt_ids(a, tok) -> list[list[int]]:
 
 def ours_config(a):
     """Ours: one PPO epoch over 2 mini-batches, AdamW lr 1e-5, no clipping, k1 KL 0.05, vf 0.1."""
-    from llm.settings.ppo_validation import (
+    from llm.settings.ppo import (
         ActorRolloutSection,
         AlgorithmSection,
         CriticSection,

@@ -109,7 +109,7 @@ def write_config(tmp: str, a, model: str, pool: dict) -> str:
 
 def run_mode(path: str, steps: int) -> dict:
     from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
-    from llm.settings.ppo_validation import parse_ppo_config
+    from llm.settings.load import parse_ppo_config
 
     c = parse_ppo_config([path])
     t0 = time.perf_counter()

@@ -224,7 +224,7 @@ def run_grpo_ours(a) -> dict:
     import torch
 
     from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
-    from llm.settings.ppo_validation import parse_ppo_config
+    from llm.settings.load import parse_ppo_config
 
     torch.set_num_threads(a.threads)
     batch = a.prompts * a.group

@@ -219,7 +219,8 @@ def our_arguments(
     ``lora``: (rank, alpha, dropout) to set our LoRA fields (default targets), or None (full fine-tuning);
     ``model_dir``: a real model (the smollm2 config of ``task``, this model and its tokenizer)."""
     from llm.settings.dpo import DPO_ARGUMENT_TYPES
-    from llm.settings.flat import ARGUMENT_TYPES, parse_arguments, validate_arguments
+    from llm.settings.flat import ARGUMENT_TYPES, validate_arguments
+    from llm.settings.load import parse_arguments
 
     cli = [
         (REAL_CONFIGS if model_dir else CONFIGS)[task],

@@ -88,7 +88,7 @@ def parity_trl_args(output_dir: str, batch: int, steps: int, response_len: int, 
 def parity_ours_config(batch: int, steps: int, lr: float, **actor_rollout):
     """Our side of the same math (``parity_trl_args``), the parity test's ``ours_config``; ``actor_rollout``
     adds rollout settings."""
-    from llm.settings.ppo_validation import (
+    from llm.settings.ppo import (
         ActorRolloutSection,
         AlgorithmSection,
         CriticSection,

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
 from llm.settings.fingerprint import run_fingerprint
-from llm.settings.ppo_validation import parse_ppo_config
+from llm.settings.load import parse_ppo_config
 from llm.utils.checkpoints import latest_checkpoint
 from llm.utils.errors import run_cli
 from llm.utils.logging import configure_logging

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from llm.alignment.rm.serve import ServeArgument, build_scorer, make_server
 from llm.settings.dialects.paddle import PADDLE_REWARD_NAMES
-from llm.settings.flat import parse_arguments
+from llm.settings.load import parse_arguments
 from llm.settings.reward import REWARD_ARGUMENT_TYPES
 from llm.utils.errors import run_cli
 from llm.utils.logging import setup_logging

@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from llm.settings.flat import DataArgument, ModelArgument, TrainingArguments, parse_arguments, validate_arguments
+from llm.settings.flat import DataArgument, ModelArgument, TrainingArguments, validate_arguments
+from llm.settings.load import parse_arguments
 from llm.settings.reward import REWARD_ARGUMENT_TYPES, RewardModelArgument, RewardTrainingArguments
 from llm.utils.distributed import parse_layout
 from llm.utils.errors import UserError

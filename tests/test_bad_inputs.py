@@ -24,7 +24,7 @@ from llm.run_dpo import main as dpo_main
 from llm.run_finetune import main as sft_main
 from llm.run_ppo import main as ppo_main
 from llm.run_reward import main as reward_main
-from llm.settings.ppo_validation import parse_ppo_config
+from llm.settings.load import parse_ppo_config
 from llm.utils.errors import UserError, run_cli
 from tests.helpers import ROOT, tiny_model, tokenizer
 

@@ -14,8 +14,8 @@ from llm.alignment.sft.build import build_sft_trainer
 from llm.data import tokenize
 from llm.data.tokenize import placeholder_token_id, render_prompt, resolve_chat_template, usable_placeholder
 from llm.settings.fingerprint import differing_fields, run_fingerprint
-from llm.settings.flat import parse_arguments, validate_arguments
-from llm.settings.ppo_validation import parse_ppo_config
+from llm.settings.flat import validate_arguments
+from llm.settings.load import parse_arguments, parse_ppo_config
 from llm.utils.errors import UserError
 from llm.utils.gguf import smollm2_dir
 from tests.helpers import ROOT, TOKENIZER_DIR, tokenizer

@@ -79,7 +79,7 @@ def full_run(tmp_path_factory):
 def test_fingerprint_ignores_where_and_how_often_and_names_what_differs(tmp_path):
     import functools
 
-    from llm.settings.flat import parse_arguments as parse
+    from llm.settings.load import parse_arguments as parse
     from llm.settings.reward import REWARD_ARGUMENT_TYPES
 
     parse_arguments = functools.partial(parse, types=REWARD_ARGUMENT_TYPES)  # a reward config

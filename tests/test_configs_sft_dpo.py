@@ -8,7 +8,8 @@ import os
 import pytest
 
 from llm.settings.dpo import DPO_ARGUMENT_TYPES
-from llm.settings.flat import ARGUMENT_TYPES, parse_arguments
+from llm.settings.flat import ARGUMENT_TYPES
+from llm.settings.load import parse_arguments
 from llm.utils.errors import UserError
 from llm.utils.gguf import smollm2_dir
 from tests.helpers import ROOT

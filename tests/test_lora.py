@@ -33,13 +33,8 @@ from llm.run_finetune import main as sft_main
 from llm.run_reward import main as reward_main
 from llm.settings.dialects.paddle import PADDLE_REWARD_NAMES
 from llm.settings.dpo import DPO_ARGUMENT_TYPES
-from llm.settings.flat import (
-    ARGUMENT_TYPES,
-    ModelArgument,
-    TrainingArguments,
-    parse_arguments,
-    validate_arguments,
-)
+from llm.settings.flat import ARGUMENT_TYPES, ModelArgument, TrainingArguments, validate_arguments
+from llm.settings.load import parse_arguments
 from llm.settings.reward import REWARD_ARGUMENT_TYPES
 from llm.utils.distributed import Layout
 from llm.utils.entry import train_and_evaluate

@@ -13,7 +13,8 @@ from llm.data.readers.records import PRMRecord
 from llm.run_reward import main
 from llm.settings.dialects.paddle import PADDLE_REWARD_NAMES
 from llm.settings.fingerprint import run_fingerprint
-from llm.settings.flat import DataArgument, parse_arguments
+from llm.settings.flat import DataArgument
+from llm.settings.load import parse_arguments
 from llm.settings.reward import REWARD_ARGUMENT_TYPES
 from llm.utils.errors import UserError, run_cli
 from tests.test_run_reward import SAMPLE, config, read_jsonl, small_split

@@ -20,7 +20,7 @@ from llm.alignment.ppo.fsdp import head_linear
 from llm.alignment.ppo.prompts import Prompt
 from llm.alignment.ppo.roles import PolicyModel
 from llm.run_ppo import main
-from llm.settings.ppo_validation import parse_ppo_config
+from llm.settings.load import parse_ppo_config
 from tests.helpers import tiny_model, tokenizer
 from tests.test_ppo_memory import fixed_samples
 from tests.test_ppo_run import config, history

@@ -20,7 +20,7 @@ from llm.alignment.ppo.loading import Place, actor_tokenizer, load_frozen
 from llm.alignment.ppo.lora import ActorBase
 from llm.alignment.ppo.roles import PolicyModel, ValueModel
 from llm.run_ppo import main
-from llm.settings.ppo_validation import parse_ppo_config
+from llm.settings.load import parse_ppo_config
 from llm.utils.checkpoints import load_tree
 from llm.utils.errors import UserError
 from llm.utils.modeling import load_model

@@ -19,7 +19,7 @@ from llm.alignment.ppo.records import PolicyBatch, Samples, ValueBatch
 from llm.alignment.ppo.rewards import ORMReward
 from llm.alignment.ppo.roles import ActorRole, CriticRole, PolicyModel
 from llm.alignment.ppo.update import PolicyUpdate, ValueUpdate
-from llm.settings.ppo_validation import parse_ppo_config
+from llm.settings.load import parse_ppo_config
 from llm.utils.errors import UserError
 from tests.helpers import tiny_model, tokenizer
 from tests.test_ppo_run import ORM_REWARD, config

@@ -66,7 +66,7 @@ def test_on_policy_update_skips_the_old_log_prob_forward_and_equals_the_full_run
     ],
 )
 def test_which_runs_are_on_policy(tmp_path, change, expected):
-    from llm.settings.ppo_validation import parse_ppo_config
+    from llm.settings.load import parse_ppo_config
 
     sections = {k: dict(v) for k, v in _rest().items()}
     for sec, values in change.items():

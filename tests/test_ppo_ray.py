@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
 from llm.alignment.ppo.records import RoleFailure
 from llm.run_ppo import main
-from llm.settings.ppo_validation import parse_ppo_config
+from llm.settings.load import parse_ppo_config
 from llm.utils.errors import UserError, run_cli
 from tests.helpers import ROOT, tokenizer
 from tests.test_ppo_run import ORM_REWARD, config, history

@@ -14,7 +14,7 @@ from llm.alignment.ppo.records import Samples
 from llm.alignment.ppo.rewards import HttpReward, PRMReward, RuleReward, char_to_token_end, split_steps
 from llm.alignment.ppo.rules import last_number, math_exact_match
 from llm.run_ppo import main
-from llm.settings.ppo_validation import parse_ppo_config
+from llm.settings.load import parse_ppo_config
 from llm.utils.errors import UserError, run_cli
 from tests.helpers import ROOT, ppo_config_file, tiny_model, tokenizer
 

@@ -7,7 +7,7 @@ import pytest
 
 from llm.run_ppo import main
 from llm.settings.fingerprint import run_fingerprint
-from llm.settings.ppo_validation import parse_ppo_config
+from llm.settings.load import parse_ppo_config
 from llm.utils.errors import run_cli
 from tests.helpers import ROOT, tokenizer
 from tests.test_ppo_run import config

@@ -18,7 +18,7 @@ from llm.alignment.ppo.build import build_role
 from llm.alignment.ppo.records import RewardOutput, Samples
 from llm.alignment.ppo.rewards import REWARDS, RewardFunction, char_to_token_end, decoded_lengths, register_reward
 from llm.run_ppo import main
-from llm.settings.ppo_validation import parse_ppo_config
+from llm.settings.load import parse_ppo_config
 from llm.utils.errors import UserError
 from tests.helpers import ROOT, tokenizer
 from tests.test_ppo_run import config, history

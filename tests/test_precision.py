@@ -45,7 +45,7 @@ from llm.data.readers import iter_records
 from llm.data.tokenize import EncodeConfig, OverlongCounter, encode_pair_for_scores, encode_prm
 from llm.data.tokenize_lm import encode_pair_for_lm, encode_sft
 from llm.settings.flat import ModelArgument
-from llm.settings.ppo_validation import parse_ppo_config
+from llm.settings.load import parse_ppo_config
 from llm.settings.reward import RewardModelArgument, RewardTrainingArguments
 from llm.utils.errors import UserError
 from llm.utils.precision import MasterWeightAdamW

@@ -342,7 +342,7 @@ def test_reward_server_scores_as_the_training_run_evaluated(tmp_path, trained_pr
     from llm.alignment.ppo.records import Samples
     from llm.alignment.ppo.rewards import HttpReward
     from llm.alignment.rm.serve import ServeArgument, build_scorer, make_server
-    from llm.settings.flat import parse_arguments
+    from llm.settings.load import parse_arguments
     from llm.settings.reward import REWARD_ARGUMENT_TYPES
 
     cfg = tmp_path / "serve.json"

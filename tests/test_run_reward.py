@@ -559,7 +559,8 @@ def test_best_model_check_counts_loss_items_of_the_packed_dev_rows(tmp_path):
     """The start-up check and the guard at each evaluation, on a built trainer: a dev split with one labelled
     record among the candidates passes; an evaluation without the metric is one UserError, not a KeyError."""
     from llm.alignment.rm.build import build_reward_trainer
-    from llm.settings.flat import parse_arguments, validate_arguments
+    from llm.settings.flat import validate_arguments
+    from llm.settings.load import parse_arguments
     from llm.settings.reward import REWARD_ARGUMENT_TYPES
     from llm.utils.errors import UserError
 

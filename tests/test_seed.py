@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from llm.alignment.ppo.build import Place, build_critic
 from llm.run_reward import main
-from llm.settings.ppo_validation import parse_ppo_config
+from llm.settings.load import parse_ppo_config
 from tests.helpers import tiny_model
 from tests.test_ppo_run import config as ppo_config
 from tests.test_run_reward import config, small_split, train_losses

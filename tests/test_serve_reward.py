@@ -13,7 +13,7 @@ from transformers import AutoModelForSequenceClassification
 from llm.alignment.ppo.rewards import HttpReward
 from llm.alignment.rm.serve import ServeArgument, build_scorer, make_server
 from llm.run_ppo import main as ppo_main
-from llm.settings.flat import parse_arguments
+from llm.settings.load import parse_arguments
 from llm.settings.reward import REWARD_ARGUMENT_TYPES
 from tests.helpers import ROOT, tiny_model, tokenizer
 from tests.test_ppo_run import config as ppo_config

@@ -19,7 +19,7 @@ from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
 from llm.alignment.ppo.records import RoleFailure, Samples
 from llm.alignment.ppo.roles import PolicyModel
 from llm.run_ppo import main
-from llm.settings.ppo_validation import parse_ppo_config
+from llm.settings.load import parse_ppo_config
 from llm.utils.errors import UserError, run_cli
 from tests.helpers import tiny_model, tokenizer
 from tests.test_ppo_run import config

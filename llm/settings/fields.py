@@ -232,13 +232,24 @@ def init_fields(cls: type) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls) if f.init}
 
 
-def build(cls: type, values: Mapping[str, Any], where: str, bounds: Mapping[str, float] | None = None) -> Any:
+def build(
+    cls: type,
+    values: Mapping[str, Any],
+    where: str,
+    bounds: Mapping[str, float] | None = None,
+    section: str | None = None,
+) -> Any:
     """An instance of dataclass ``cls`` from ``values`` (already routed to it), each value type-checked.
 
     Nested dataclass fields are built recursively from objects. Unknown keys stop with the closest valid
-    names. Errors from the class's own validation (``__post_init__``) are prefixed with ``where``.
+    names. ``where`` names the file; ``section`` the section of a sectioned config (messages then name
+    ``section.field``). Errors from the class's own validation (``__post_init__``) are prefixed with ``where``
+    (a section's own ``UserError`` names its fields itself).
     """
+    head = f"{where}: {section}" if section else where
     if not isinstance(values, Mapping):
+        if section:
+            raise UserError(f"{head} must be an object of field: value pairs, got {values!r}")
         raise UserError(f"{where}: must be an object of field: value pairs, got {_shown(values)}")
     fields = init_fields(cls)
     hints = type_hints(cls)
@@ -246,18 +257,23 @@ def build(cls: type, values: Mapping[str, Any], where: str, bounds: Mapping[str,
     kwargs = {}
     for key, value in values.items():
         if key not in fields:
-            raise UserError(f"{where}: unknown key {key!r}; closest valid names: {closest(key, fields)}")
+            raise UserError(f"{head}: unknown key {key!r}; closest valid names: {closest(str(key), fields)}")
         annotation = hints[key]
         sub = next((m for m in _members(annotation) if dataclasses.is_dataclass(m)), None)
-        if sub is not None and isinstance(value, Mapping):
+        if sub is not None and section and dataclasses.is_dataclass(annotation):
+            value = build(sub, value, where, section=f"{section}.{key}")
+        elif sub is not None and isinstance(value, Mapping):
             value = build(sub, value, f"{where}.{key}")
         else:
-            value = check_value(value, annotation, f"{where}: field {key!r}")
-            check_bounds(key, value, limits, f"{where}: field {key!r}")
+            at = f"{where}: {section}.{key}" if section else f"{where}: field {key!r}"
+            value = check_value(value, annotation, at)
+            check_bounds(key, value, limits, at)
         kwargs[key] = value
     try:
         return cls(**kwargs)
     except UserError as err:
+        if section:
+            raise
         raise UserError(f"{where}: {err}") from None
     except (ValueError, TypeError) as err:
-        raise UserError(f"{where}: {err}") from None
+        raise UserError(f"{head}: {err}") from None

@@ -8,26 +8,20 @@ to change, instead of being silently ignored.
 
 from __future__ import annotations
 
-import json
-import typing
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 import transformers
 
-from llm.settings.dialects.openrlhf import LAUNCH_SCRIPT_EXTENSIONS, read_launch_script
-from llm.settings.dialects.paddle import PADDLE_NAMES, translate
-from llm.settings.fields import build, command_line_pairs, init_fields, parse_text, type_hints
+from llm.settings.shared import LoraFields
 from llm.utils.distributed import Layout, has_accelerator, parse_layout
-from llm.utils.errors import UserError, closest
-from llm.utils.paths import resolve_input_path, resolve_paths, tried
+from llm.utils.errors import UserError
 from llm.utils.rundir import check_output_dir
 
 
 @dataclass
-class ModelArgument:
+class ModelArgument(LoraFields):
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "Hugging Face checkpoint directory (or hub id already in the local cache)."}
     )
@@ -54,44 +48,12 @@ class ModelArgument:
     virtual_pp_degree: int = field(
         default=1, metadata={"help": "Virtual pipeline stages (pipeline parallel).", "min": 1}
     )
-    # LoRA / QLoRA with peft (PaddleNLP's names; checked and applied in llm/utils/lora.py)
-    lora: bool = field(
-        default=False,
-        metadata={"help": "Train LoRA adapters (peft) on a frozen base model instead of every weight."},
-    )
-    lora_rank: int = field(default=8, metadata={"help": "LoRA rank r (> 0)."})
-    lora_alpha: float = field(
-        default=-1,
-        metadata={"help": "LoRA alpha (> 0); -1 (PaddleNLP's default): 2 * lora_rank, or 4 with rslora."},
-    )
-    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA input, in [0, 1)."})
-    target_modules: str | list[str] | None = field(
-        default=None,
-        metadata={
-            "help": "Module names that get adapters (a list, or comma-separated), matched as peft does (the end of a "
-            "module's name); default the attention and MLP projections q_proj,k_proj,v_proj,o_proj,gate_proj,"
-            "up_proj,down_proj."
-        },
-    )
-    rslora: bool = field(
-        default=False, metadata={"help": "Rank-stabilised LoRA: scale alpha / sqrt(r), not alpha / r."}
-    )
-    lora_path: str | None = field(
-        default=None,
-        metadata={"help": "Continue training the PEFT adapter saved in this directory (its own rank and targets)."},
-    )
+    # LoRA / QLoRA with peft: the shared fields (llm.settings.shared), checked and applied in llm/utils/lora.py
     lora_train_head: bool = field(
         default=False,
         metadata={
             "help": "With lora: also train the LM head, saved in the adapter. PRM: only the reward-token rows it "
             "reads; SFT/DPO: the whole head. (An ORM's new score head is always trained.)"
-        },
-    )
-    lora_merge: bool = field(
-        default=False,
-        metadata={
-            "help": "With lora: also write the base model with the adapter merged in, a plain Hugging Face "
-            "checkpoint, to output_dir/merged (output_dir itself holds the adapter)."
         },
     )
     weight_quantize_algo: str | None = field(
@@ -363,85 +325,3 @@ TRAINING_BOUNDS = {
     "save_total_limit": 0,
     "seed": 0,
 }
-
-
-def read_config(path: str) -> dict:
-    """The JSON object of a config file (found from the working directory or the repository root)."""
-    found = resolve_input_path(path)
-    if found is None:
-        raise UserError(f"{path}: no such file (looked in: {tried(path)})")
-    try:
-        with open(found, encoding="utf-8") as f:
-            config = json.load(f)
-    except json.JSONDecodeError as err:
-        raise UserError(f"{path}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise UserError(f"{path}: cannot read it ({err})") from None
-    if not isinstance(config, dict):
-        raise UserError(f"{path}: must hold one JSON object of field: value pairs")
-    return config
-
-
-def _paddle_text(text: str) -> Any:
-    """A command-line value of a PaddleNLP name: JSON when it reads as JSON (``512``, ``false``), else the text."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-def parse_command_line(cli: list[str], annotations: dict[str, Any], paddle: Mapping[str, Any]) -> dict[str, Any]:
-    """``--field value`` / ``--field=value`` pairs, each parsed by its field's type; a bare boolean flag
-    (``--do_train``) means true. PaddleNLP's names (``--max_length``) are accepted as in files."""
-
-    def bare(name: str) -> str | None:
-        annotation = annotations.get(name)
-        return "true" if annotation is bool or bool in typing.get_args(annotation) else None
-
-    values: dict[str, Any] = {}
-    for name, text in command_line_pairs(cli, bare):
-        if name not in annotations and name not in paddle:
-            raise UserError(f"command line: unknown option --{name}; closest valid names: {closest(name, annotations)}")
-        annotation = annotations.get(name, Any)
-        where = f"command line: --{name}"
-        values[name] = _paddle_text(text) if annotation is Any else parse_text(text, annotation, where)
-    return values
-
-
-def parse_arguments(
-    argv: list[str], types: tuple[type, ...] = ARGUMENT_TYPES, paddle: Mapping[str, Any] = PADDLE_NAMES
-) -> tuple[Any, ...]:
-    """``CONFIG.json [--field value ...]`` -> one instance per dataclass in ``types``.
-
-    Every key goes to the dataclass that declares it and is type-checked (``llm.settings.fields``);
-    PaddleNLP's own names in ``paddle`` are translated first (``llm.settings.dialects.paddle``); relative input paths are
-    resolved (``llm.utils.paths``). Lines worth logging land in ``TrainingArguments.config_notes``.
-    """
-    if not argv or not argv[0].endswith((".json", *LAUNCH_SCRIPT_EXTENSIONS)):
-        raise UserError("usage: run_x.py CONFIG.json|LAUNCH_SCRIPT.sh [--field value ...]")
-    path = argv[0]
-    notes: list[str] = []
-    if path.endswith(LAUNCH_SCRIPT_EXTENSIONS):  # an OpenLLaMA2 / OpenRLHF command line (dialects/openrlhf.py)
-        script = next((cls.script for cls in types if hasattr(cls, "script")), "sft")
-        config = read_launch_script(path, script, notes)
-    else:
-        config = read_config(path)
-    owner = {name: cls for cls in types for name in init_fields(cls)}
-    annotations = {name: type_hints(cls)[name] for name, cls in owner.items()}
-    config = translate(config, set(owner), path, notes, paddle)
-    for key in config:
-        if key not in owner:
-            raise UserError(f"{path}: unknown key {key!r}; closest valid names: {closest(key, owner)}")
-    overrides = translate(parse_command_line(argv[1:], annotations, paddle), set(owner), "command line", notes, paddle)
-    merged = {**config, **overrides}
-    for name in INPUT_PATHS:
-        if isinstance(merged.get(name), str):
-            merged[name] = resolve_paths(merged[name], name, path, required=False)
-    parsed = []
-    for cls in types:
-        values = {k: v for k, v in merged.items() if owner[k] is cls}
-        parsed.append(build(cls, values, path, TRAINING_BOUNDS))
-    for args in parsed:
-        if isinstance(args, TrainingArguments):
-            args.config_notes = notes
-    return tuple(parsed)

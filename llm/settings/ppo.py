@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llm.settings.registry import ADV_ESTIMATORS
+from llm.settings.shared import LoraFields
 from llm.utils.errors import UserError
 
 
@@ -109,8 +110,9 @@ class ModelSection:
 
 
 @dataclass
-class TrainedSection(ModelSection):
-    """A role with an optimizer (actor, critic): each null field takes the ``training`` value."""
+class TrainedSection(ModelSection, LoraFields):
+    """A role with an optimizer (actor, critic): each null field takes the ``training`` value; LoRA fields as the
+    flat scripts' (``llm.settings.shared``)."""
 
     learning_rate: float | None = _f(None, low=0)
     weight_decay: float | None = _f(None, low=0)
@@ -119,17 +121,6 @@ class TrainedSection(ModelSection):
     adam_epsilon: float | None = _f(None, low=0)
     max_grad_norm: float | None = _f(None, low=0)
     lr_warmup_steps: int | None = _f(None, low=0)
-    # LoRA with peft, the flat trainers' fields (PaddleNLP's names; checked by llm.utils.lora, applied in lora.py)
-    lora: bool = _f(False, "train LoRA adapters (peft) on the frozen base (the critic: and its score head)")
-    lora_rank: int = _f(8, "LoRA rank r (> 0)")
-    lora_alpha: float = _f(-1, "LoRA alpha (> 0); -1: 2 * lora_rank, or 4 with rslora")
-    lora_dropout: float = _f(0.0, "dropout on the LoRA input, in [0, 1)")
-    target_modules: str | list[str] | None = field(
-        default=None, metadata={"help": "modules with adapters (a list, or comma-separated); null: the projections"}
-    )
-    rslora: bool = _f(False, "rank-stabilised LoRA: scale alpha / sqrt(r)")
-    lora_path: str | None = _f(None, "continue the PEFT adapter saved there (its own rank and targets)")
-    lora_merge: bool = _f(False, "the final save also writes <role dir>/merged: the base with the adapter merged in")
 
 
 @dataclass

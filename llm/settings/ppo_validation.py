@@ -1,188 +1,25 @@
-"""Reading and checking a PPO configuration in MindSpeed-LLM's layout (the schema: sections.py, whose names
-are importable from here too): ``training`` defaults that roles override, one section per role,
-``algorithm``, ``resource_pool`` and ``data``. Every value is type-checked (``llm.settings.fields``) and sizes
-are bounded (``metadata={"min": ...}``); unknown keys stop the run naming the section, the key and the
-closest valid names. Choices that are registries (``reward.type``: rewards/; estimators and KL
-controllers: algorithm.py) are checked against the registry, which lists the valid names.
-
-Files: JSON or YAML, in this layout or in MindSpeed-LLM's own (``defaults`` model files,
-``actor_rollout_ref: {actor_rollout, ref}``, Megatron names, ``resource_pool`` lists), which
-``llm.settings.dialects.mindspeed`` translates into this one.
-
-Command line: ``--section.field value`` (``--actor_rollout.learning_rate 1e-6``), parsed by the field's
-type; a bare ``--field value`` sets a ``training`` field.
+"""Checking a PPO configuration (the schema: ``llm.settings.ppo``) for what the types and lower bounds cannot
+say: choices, ranges, sizes that must divide, fields that need one another. Choices that are registries
+(``reward.type``, estimators, KL controllers, PRM aggregations: ``llm.settings.registry``) are checked against
+the registry, which lists the valid names. Reading the file, dialects and overrides: ``llm.settings.load``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
-import os
-import re
-from collections.abc import Mapping
-from typing import Any
 
-from llm.settings import fields
-from llm.settings.dialects import mindspeed
-from llm.settings.dialects.openrlhf import LAUNCH_SCRIPT_EXTENSIONS, read_launch_script
-from llm.settings.ppo import (  # noqa: F401 - the schema, importable from here too
+from llm.settings.ppo import (
     LORA_ROLES,
     ROLES,
-    SECTIONS,
-    ActorRolloutSection,
-    AlgorithmSection,
-    CriticSection,
-    DataSection,
-    KLCtrlSection,
     PPOConfig,
-    RefSection,
     ResourcePool,
-    RewardSection,
-    TrainingSection,
     shares_actor_base,
 )
 from llm.settings.registry import ADV_ESTIMATORS, KL_CONTROLLERS, PRM_AGGREGATIONS, kl_kinds, model_types, reward_type
 from llm.utils.errors import UserError, closest
 from llm.utils.lora import check_lora_fields
-from llm.utils.paths import resolve_input_path, resolve_paths, tried
 
 logger = logging.getLogger(__name__)
-
-
-# Keys this project's PPO once had, or that belong elsewhere: each stops the run with what to write instead.
-MOVED = {
-    ("", "defaults"): "MindSpeed-LLM's list of model files, read in MindSpeed's layout (sections training, "
-    "actor_rollout_ref: {actor_rollout, ref}, critic, reward); in this layout give each role's "
-    "model_name_or_path (actor_rollout, ref, critic, reward)",
-    ("actor_rollout", "num_gpus_for_train"): "MindSpeed's split of the actor's devices, not read in this layout: set "
-    "the actor's training devices as resource_pool.actor_rollout",
-    ("actor_rollout", "num_gpus_for_infer"): "MindSpeed's split of the actor's devices, not read in this layout: set "
-    "the devices of a separate generation copy as resource_pool.rollout (with resource_pool.use_ray true)",
-    ("data", "dev_dataset_path"): "PPO here evaluates no dev set (the log has the rollout's scores every step): "
-    "remove it",
-}
-CONFIG_EXTENSIONS = (".json", ".yaml", ".yml")
-
-
-def read_config(path: str) -> tuple[dict, str]:
-    """The object in a JSON or YAML config file (found from the working directory or the repository root)."""
-    found = resolve_input_path(path)
-    if found is None:
-        raise UserError(f"{path}: no such file (looked in: {tried(path)})")
-    try:
-        with open(found, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as err:
-        raise UserError(f"{path}: cannot read it ({err})") from None
-    if path.endswith(".json"):
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise UserError(f"{path}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})") from None
-    else:
-        raw = mindspeed.load_yaml(text, path)
-    if not isinstance(raw, dict):
-        raise UserError(f"{path}: must hold one object with sections {', '.join(SECTIONS)}")
-    return raw, found
-
-
-def _section(cls: type, values: Any, path: str, name: str) -> Any:
-    """``cls`` from the values of section ``name``, each checked against its annotation and bounds."""
-    if not isinstance(values, Mapping):
-        raise UserError(f"{path}: {name} must be an object of field: value pairs, got {values!r}")
-    known, hints, bounds = fields.init_fields(cls), fields.type_hints(cls), fields.field_bounds(cls)
-    kwargs = {}
-    for key, value in values.items():
-        if (name, key) in MOVED:
-            raise UserError(f"{path}: {name}.{key}: {MOVED[name, key]}")
-        if key not in known:
-            raise UserError(f"{path}: {name}: unknown key {key!r}; closest valid names: {closest(str(key), known)}")
-        if dataclasses.is_dataclass(hints[key]):
-            kwargs[key] = _section(hints[key], value, path, f"{name}.{key}")
-            continue
-        where = f"{path}: {name}.{key}"
-        kwargs[key] = fields.check_value(value, hints[key], where)
-        fields.check_bounds(key, kwargs[key], bounds, where)
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as err:
-        raise UserError(f"{path}: {name}: {err}") from None
-
-
-def apply_command_line(raw: dict, cli: list[str]) -> None:
-    """``--section.field value`` / ``--section.field=value`` pairs into ``raw``, each parsed by the field's
-    type (``fields.parse_text``); ``--field`` alone names a ``training`` field."""
-    for name, text in fields.command_line_pairs(cli, lambda name: None):
-        section, _, key = name.rpartition(".")
-        section = section or "training"
-        top, *subs = section.split(".")
-        if top not in SECTIONS:
-            raise UserError(f"command line: unknown section {section!r}; closest: {closest(section, SECTIONS)}")
-        cls, target = SECTIONS[top], raw.setdefault(top, {})
-        for sub in subs:
-            hint = fields.type_hints(cls).get(sub)
-            if not dataclasses.is_dataclass(hint) or not isinstance(target, dict):
-                raise UserError(f"command line: {section!r} is not a section")
-            cls, target = hint, target.setdefault(sub, {})
-        if key not in fields.init_fields(cls) or not isinstance(target, dict):
-            valid = list(fields.init_fields(cls))
-            raise UserError(f"command line: {section} has no field {key!r}; closest valid names: {closest(key, valid)}")
-        target[key] = fields.parse_text(text, fields.type_hints(cls)[key], f"command line: --{name}")
-
-
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
-
-def _input_path(value: str, name: str, path: str) -> str:
-    """A model or tokenizer path: resolved (working directory, then repository root) and made absolute, so
-    Ray workers read the same files; a missing one stops the run unless it may be a hub id (``org/name``)."""
-    found = resolve_paths(value, name, path, required=not _HUB_ID.fullmatch(value))
-    return os.path.abspath(found) if os.path.exists(found) else found
-
-
-def resolve_input_paths(c: PPOConfig, path: str) -> None:
-    """Relative input paths of the file (``llm.utils.paths``): both ``python llm/run_ppo.py ...`` from the
-    repository root and ``cd llm && python run_ppo.py config/...`` find them. Outputs stay relative to the
-    working directory; the reward rule is a module name, not a path."""
-    for role in ROLES:
-        section = getattr(c, role)
-        for name in ("model_name_or_path", "tokenizer_name_or_path"):
-            if getattr(section, name):
-                setattr(section, name, _input_path(getattr(section, name), f"{role}.{name}", path))
-    if c.data.train_dataset_path:  # required when the prompts are read (load_prompts), not to parse
-        found = resolve_paths(c.data.train_dataset_path, "data.train_dataset_path", path, required=False)
-        c.data.train_dataset_path = ",".join(os.path.abspath(p) if os.path.exists(p) else p for p in found.split(","))
-    resume = c.training.resume_from_checkpoint
-    if resume and resume.lower() not in ("auto", "true", "last", "false", "none"):
-        c.training.resume_from_checkpoint = resolve_paths(resume, "training.resume_from_checkpoint", path)
-
-
-def parse_ppo_config(argv: list[str]) -> PPOConfig:
-    """``CONFIG.{json,yaml} [--section.field value ...]`` -> a checked ``PPOConfig``."""
-    if not argv or not argv[0].endswith((*CONFIG_EXTENSIONS, *LAUNCH_SCRIPT_EXTENSIONS)):
-        raise UserError("usage: run_ppo.py CONFIG.json|CONFIG.yaml|LAUNCH_SCRIPT.sh [--section.field value ...]")
-    path = argv[0]
-    notes: list[str] = []
-    if path.endswith(LAUNCH_SCRIPT_EXTENSIONS):  # an OpenLLaMA2 / OpenRLHF command line (dialects/openrlhf.py)
-        raw, found = read_launch_script(path, "ppo", notes), path
-    else:
-        raw, found = read_config(path)
-    if mindspeed.is_mindspeed_layout(raw):
-        raw = mindspeed.translate(raw, path, found, notes)
-    for key in raw:
-        if ("", key) in MOVED:
-            raise UserError(f"{path}: {key}: {MOVED['', key]}")
-        if key not in SECTIONS:
-            raise UserError(f"{path}: unknown section {key!r}; closest valid names: {closest(str(key), SECTIONS)}")
-    apply_command_line(raw, argv[1:])
-    sections = {name: _section(cls, raw.get(name, {}), path, name) for name, cls in SECTIONS.items()}
-    config = PPOConfig(**sections, source=path, notes=notes)
-    resolve_input_paths(config, path)
-    validate_ppo_config(config, path)
-    for note in config.notes:
-        logger.info("%s: %s", path, note)
-    return config
 
 
 def validate_ppo_config(c: PPOConfig, path: str) -> None:

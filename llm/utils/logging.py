@@ -42,11 +42,19 @@ def configure_logging(level: int) -> None:
     transformers.utils.logging.enable_propagation()
 
 
+def log_config_notes(notes: list[str], source: str | None = None) -> None:
+    """The configuration path's notes (what a dialect's name became, names with no effect here), one line each
+    on the ``llm.config`` logger; ``source`` (the config file) leads each line when the notes do not name it."""
+    logger = logging.getLogger("llm.config")
+    for note in notes:
+        logger.info("%s: %s", source, note) if source else logger.info(note)
+
+
 def setup_logging(training_args: transformers.TrainingArguments) -> None:
-    """Logging for a flat-config script; then the parser's notes on the config (names with no effect here)."""
+    """Logging for a flat-config script (``configure_logging`` at the level of this process's rank); then the
+    parser's notes on the config."""
     configure_logging(logging.INFO if training_args.should_log else logging.WARNING)
-    for note in training_args.config_notes:
-        logging.getLogger("llm.config").info(note)
+    log_config_notes(training_args.config_notes)
 
 
 def resume_checkpoint(training_args: transformers.TrainingArguments) -> str | None:
