@@ -12,10 +12,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from llm.alignment.runner import output_dir_guard, train_and_evaluate
 from llm.alignment.sft.build import build_sft_trainer
 from llm.settings.flat import validate_arguments
 from llm.settings.load import parse_arguments
-from llm.utils.entry import output_dir_guard, train_and_evaluate
 from llm.utils.errors import run_cli
 from llm.utils.logging import setup_logging
 

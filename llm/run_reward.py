@@ -10,11 +10,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from llm.alignment.rm.build import build_reward_trainer
+from llm.alignment.runner import output_dir_guard, train_and_evaluate
 from llm.settings.dialects.paddle import PADDLE_REWARD_NAMES
 from llm.settings.flat import validate_arguments
 from llm.settings.load import parse_arguments
 from llm.settings.reward import REWARD_ARGUMENT_TYPES
-from llm.utils.entry import output_dir_guard, train_and_evaluate
 from llm.utils.errors import run_cli
 from llm.utils.logging import setup_logging
 

@@ -13,9 +13,10 @@ from llm.alignment.ppo.build import load_prompts
 from llm.alignment.sft.build import build_sft_trainer
 from llm.data import tokenize
 from llm.data.tokenize import placeholder_token_id, render_prompt, resolve_chat_template, usable_placeholder
-from llm.settings.fingerprint import differing_fields, run_fingerprint
+from llm.settings.fingerprint import run_fingerprint
 from llm.settings.flat import validate_arguments
 from llm.settings.load import parse_arguments, parse_ppo_config
+from llm.utils.checkpoints import differing_fields
 from llm.utils.errors import UserError
 from llm.utils.gguf import smollm2_dir
 from tests.helpers import ROOT, TOKENIZER_DIR, tokenizer

@@ -15,8 +15,8 @@ import torch
 
 from llm.run_ppo import main as ppo_main
 from llm.run_reward import main as reward_main
-from llm.settings.fingerprint import differing_fields, run_fingerprint
-from llm.utils.checkpoints import MARKER, checkpoint_problem, latest_checkpoint, load_tree, read_json
+from llm.settings.fingerprint import run_fingerprint
+from llm.utils.checkpoints import MARKER, checkpoint_problem, differing_fields, latest_checkpoint, load_tree, read_json
 from llm.utils.errors import UserError, run_cli
 from tests.helpers import ROOT
 from tests.test_ppo_run import config as ppo_config

@@ -23,6 +23,7 @@ from llm.alignment.dpo.build import build_dpo_trainer
 from llm.alignment.dpo.loss import LOSSES
 from llm.alignment.dpo.trainer import DPOTrainer, collate_pairs
 from llm.alignment.rm.build import build_reward_trainer
+from llm.alignment.runner import train_and_evaluate
 from llm.alignment.sft.build import build_sft_trainer
 from llm.data.packing import pack
 from llm.data.readers import read_records
@@ -37,7 +38,6 @@ from llm.settings.flat import ARGUMENT_TYPES, ModelArgument, TrainingArguments, 
 from llm.settings.load import parse_arguments
 from llm.settings.reward import REWARD_ARGUMENT_TYPES
 from llm.utils.distributed import Layout
-from llm.utils.entry import train_and_evaluate
 from llm.utils.errors import UserError, run_cli
 from llm.utils.lora import DEFAULT_TARGETS, MERGED_DIR, apply_lora, check_lora_arguments
 from llm.utils.modeling import load_model

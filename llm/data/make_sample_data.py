@@ -44,18 +44,18 @@ from collections import Counter
 from pathlib import Path
 
 from llm.data.sample_problems import (  # noqa: F401 - PLACEHOLDER and PRM_ERROR_MIX: this generator's public constants
-    _TEMPLATES,
     PLACEHOLDER,
     PRM_ERROR_MIX,
     SEED_ERROR,
     SEED_PROBLEM,
+    TEMPLATES,
     Error,
     Problem,
-    _draw,
-    _follow_up,
-    _render,
-    _solve,
-    _solve_prm,
+    draw_problem,
+    follow_up,
+    render_problem,
+    solve,
+    solve_prm,
 )
 
 SAMPLE_DIR = Path(__file__).resolve().parent / "sample"
@@ -83,7 +83,7 @@ def make_prm(
 ) -> tuple[list[dict], Counter]:
     records, kinds = [], Counter()
     if with_seed:
-        steps, labels, _ = _render(SEED_PROBLEM, SEED_ERROR)
+        steps, labels, _ = render_problem(SEED_PROBLEM, SEED_ERROR)
         records.append(
             {
                 "src": [SEED_PROBLEM.question],
@@ -97,12 +97,12 @@ def make_prm(
     while len(records) < n:
         # ``rng`` draws the questions exactly as the pair files were first made against (an
         # error of the pair mix included); ``errors_rng`` draws the PRM error.
-        drawn = _draw(rng, seen, wrong=rng.random() < P_WRONG)
+        drawn = draw_problem(rng, seen, wrong=rng.random() < P_WRONG)
         if drawn is None:
             continue
         problem, (steps, labels, _, error) = drawn
         if error is not None:  # an error of the pair mix: replaced by one of the PRM mix
-            steps, labels, _, error = _solve_prm(errors_rng, problem)
+            steps, labels, _, error = solve_prm(errors_rng, problem)
         seen.add(problem.question)
         kinds[error.kind if error else "none"] += 1
         records.append({"src": [problem.question], "tgt": [], "responses": steps, "labels": labels})
@@ -136,14 +136,14 @@ def make_best_of_n(rng: random.Random, groups: int, per_group: int, seen: set[st
     final answer) and ``correct`` (that answer equals the right one)."""
     out: list[dict] = []
     while len(out) < groups * per_group:
-        problem = rng.choice(_TEMPLATES)(rng)
-        right = _render(problem, None)
+        problem = rng.choice(TEMPLATES)(rng)
+        right = render_problem(problem, None)
         if problem.question in seen or right is None:
             continue
         group = []
         for _ in range(per_group * 20):
             # wrong ones with an error of the PRM mix, the kind the tiny demo PRM learns to spot
-            steps, _, answer = _solve_prm(rng, problem)[:3] if rng.random() < 0.5 else right
+            steps, _, answer = solve_prm(rng, problem)[:3] if rng.random() < 0.5 else right
             group.append({"responses": steps, "answer": str(answer), "correct": answer == right[2]})
             if len(group) == per_group:
                 break
@@ -158,19 +158,19 @@ def make_best_of_n(rng: random.Random, groups: int, per_group: int, seen: set[st
 def make_pairs(rng: random.Random, n: int, seen: set[str]) -> list[dict]:
     records = []
     while len(records) < n:
-        drawn = _draw(rng, seen, wrong=False)
+        drawn = draw_problem(rng, seen, wrong=False)
         if drawn is None:
             continue
         problem, (good, _, answer, _) = drawn
         src, tgt = [problem.question], []
         if rng.random() < P_MULTI_TURN:
-            second = _follow_up(rng, answer)
-            solved = _solve(rng, second, wrong=False)
+            second = follow_up(rng, answer)
+            solved = solve(rng, second, wrong=False)
             if solved is None:
                 continue
             src, tgt = [problem.question, second.question], ["\n".join(good)]
             problem, good = second, solved[0]
-        bad = _solve(rng, problem, wrong=True)
+        bad = solve(rng, problem, wrong=True)
         if bad is None:
             continue
         seen.add(src[0])
@@ -190,7 +190,7 @@ def make_pairs(rng: random.Random, n: int, seen: set[str]) -> list[dict]:
 def make_prompts(rng: random.Random, n: int, seen: set[str]) -> list[dict]:
     records = []
     while len(records) < n:
-        drawn = _draw(rng, seen, wrong=False)
+        drawn = draw_problem(rng, seen, wrong=False)
         if drawn is None:
             continue
         problem, (_, _, answer, _) = drawn

@@ -26,7 +26,7 @@ import random
 from pathlib import Path
 
 from llm.data.make_sample_data import P_MULTI_TURN, SEED
-from llm.data.sample_problems import _draw, _follow_up, _solve
+from llm.data.sample_problems import draw_problem, follow_up, solve
 
 SFT_SAMPLE_DIR = Path(__file__).resolve().parent / "sample_sft"
 N_SFT_TRAIN = 800
@@ -37,14 +37,14 @@ P_MESSAGES = 0.25  # share of records written as TRL "messages"
 def make_sft(rng: random.Random, n: int, seen: set[str]) -> list[dict]:
     records = []
     while len(records) < n:
-        drawn = _draw(rng, seen, wrong=False)
+        drawn = draw_problem(rng, seen, wrong=False)
         if drawn is None:
             continue
         problem, (steps, _, answer, _) = drawn
         src, tgt = [problem.question], ["\n".join(steps)]
         if rng.random() < P_MULTI_TURN:
-            second = _follow_up(rng, answer)
-            solved = _solve(rng, second, wrong=False)
+            second = follow_up(rng, answer)
+            solved = solve(rng, second, wrong=False)
             if solved is None:
                 continue
             src.append(second.question)

@@ -1,7 +1,7 @@
 """The arithmetic word problems behind the bundled sample data, and their right and wrong solutions.
 
-``llm.data.make_sample_data`` (and ``make_sft_data``) draw problems from ``_TEMPLATES`` and render them with
-``_render`` / ``_solve`` / ``_solve_prm``; the error kinds and their mix are described in that module's
+``llm.data.make_sample_data`` (and ``make_sft_data``) draw problems from ``TEMPLATES`` and render them with
+``render_problem`` / ``solve`` / ``solve_prm``; the error kinds and their mix are described in that module's
 docstring. Standard library only, every draw from the ``random.Random`` passed in.
 """
 
@@ -114,7 +114,7 @@ def _cap(s: str) -> str:
     return s[0].upper() + s[1:]
 
 
-# --- problem templates: each returns a Problem; values are checked later by _render ---------
+# --- problem templates: each returns a Problem; values are checked later by render_problem ---------
 
 
 def _shop_one(rng: random.Random) -> Problem:
@@ -248,7 +248,7 @@ def _garden(rng: random.Random) -> Problem:
 
 
 # Solution lengths (with the answer step): 2, 3, 3, 3, 4, 4, 4, 4, 5, 5.
-_TEMPLATES: list[Callable[[random.Random], Problem]] = [
+TEMPLATES: list[Callable[[random.Random], Problem]] = [
     _shop_one,
     _gain_lose,
     _boxes_take,
@@ -272,7 +272,7 @@ SEED_PROBLEM = Problem(
 SEED_ERROR = Error("result", 2, 1)  # "12 + 10 = 23": labels + + - -
 
 
-def _render(problem: Problem, error: Error | None, prm: bool = False) -> tuple[list[str], list[str], int] | None:
+def render_problem(problem: Problem, error: Error | None, prm: bool = False) -> tuple[list[str], list[str], int] | None:
     """Steps, labels and the shown final answer; None if a number leaves [0, MAX_VALUE], a
     division is not exact, or the error would not be visible in the text (``prm``: or a
     "result" error would read as an "echo")."""
@@ -329,17 +329,17 @@ def _random_error(rng: random.Random, problem: Problem) -> Error:
     return Error(kind, step, delta)
 
 
-def _solve(rng: random.Random, problem: Problem, wrong: bool) -> tuple[list[str], list[str], int, Error | None] | None:
+def solve(rng: random.Random, problem: Problem, wrong: bool) -> tuple[list[str], list[str], int, Error | None] | None:
     """Render a correct solution or one with a random visible error; None if the problem's
     numbers do not work out (the caller draws a new problem)."""
-    correct = _render(problem, None)
+    correct = render_problem(problem, None)
     if correct is None:
         return None
     if not wrong:
         return (*correct, None)
     for _ in range(20):
         error = _random_error(rng, problem)
-        out = _render(problem, error)
+        out = render_problem(problem, error)
         if out is not None:
             return (*out, error)
     return None
@@ -364,28 +364,28 @@ def _random_prm_error(rng: random.Random, problem: Problem) -> Error:
     return Error("result", last, delta)
 
 
-def _solve_prm(rng: random.Random, problem: Problem) -> tuple[list[str], list[str], int, Error]:
+def solve_prm(rng: random.Random, problem: Problem) -> tuple[list[str], list[str], int, Error]:
     """A PRM solution with one visible error drawn by ``_random_prm_error`` (a final answer
     off by one if 20 draws do not work out: +1 or -1 always stays in range)."""
     tries = [_random_prm_error(rng, problem) for _ in range(20)]
     for error in tries + [Error("answer", len(problem.steps), d) for d in (1, -1)]:
-        out = _render(problem, error, prm=True)
+        out = render_problem(problem, error, prm=True)
         if out is not None:
             return (*out, error)
     raise AssertionError("unreachable")
 
 
-def _draw(rng: random.Random, seen: set[str], wrong: bool) -> tuple[Problem, tuple] | None:
-    problem = rng.choice(_TEMPLATES)(rng)
+def draw_problem(rng: random.Random, seen: set[str], wrong: bool) -> tuple[Problem, tuple] | None:
+    problem = rng.choice(TEMPLATES)(rng)
     if problem.question in seen:
         return None
-    solved = _solve(rng, problem, wrong)
+    solved = solve(rng, problem, wrong)
     if solved is None:
         return None
     return problem, solved
 
 
-def _follow_up(rng: random.Random, previous: int) -> Problem:
+def follow_up(rng: random.Random, previous: int) -> Problem:
     """A second turn that builds on the first answer, e.g. "Now add 4 to your answer."."""
     e = _d(rng)
     if rng.random() < 0.5:

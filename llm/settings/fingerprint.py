@@ -183,16 +183,6 @@ def _has_chat_template(path: str) -> bool | None:
         return None
 
 
-def differing_fields(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Fields whose values differ (or that only one side has), as ``name (saved -> now)`` texts, sorted."""
-    out = []
-    for key in sorted(set(saved) | set(current)):
-        a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
-        if _canonical(a) != _canonical(b):
-            out.append(f"{key} ({_short(a)} -> {_short(b)})")
-    return out
-
-
 # --- the flat scripts ---------------------------------------------------------------------------------
 def _flat_values(args: Any) -> dict[str, Any]:
     import transformers
@@ -319,21 +309,6 @@ def _file_digest(path: str) -> dict[str, Any]:
             f.seek(offset)
             h.update(f.read(_SAMPLE_BLOCK))
     return {"size": size, "sha256_sampled": h.hexdigest()}
-
-
-def _canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True)
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    if isinstance(value, list) and value and all(isinstance(v, dict) and "path" in v for v in value):
-        text = ", ".join(
-            f"{v['path']} [{v.get('size', '?')} bytes, sha256 {str(v.get('sha256') or v.get('sha256_sampled') or '-')[:12]}]"
-            for v in value
-        )
-    else:
-        text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # --- the flat scripts' arguments, remembered for the trainer --------------------------------------------

@@ -309,8 +309,6 @@ def checkpoint_dirs(output_dir: str) -> list[tuple[int, str]]:
 def fingerprint_mismatch(directory: str, fingerprint) -> list[str] | None:
     """The differing fields (``name (saved -> now)``) when ``directory``'s marker is of another run; None: same
     run (or nothing to compare)."""
-    from llm.settings.fingerprint import differing_fields
-
     marker = read_marker(directory)
     if fingerprint is None or marker is None or marker.get("fingerprint") in (None, fingerprint.digest):
         return None
@@ -394,3 +392,28 @@ def _auto(value: str, output_dir: str, fingerprint) -> str:
         return path
     why = f"; skipped: {'; '.join(skipped)}" if skipped else ""
     raise UserError(f"resume_from_checkpoint={value!r}: no complete checkpoint-* directory in {output_dir}{why}")
+
+
+def differing_fields(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Fields whose values differ (or that only one side has), as ``name (saved -> now)`` texts, sorted."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
+        if canonical_json(a) != canonical_json(b):
+            out.append(f"{key} ({short_value(a)} -> {short_value(b)})")
+    return out
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def short_value(value: Any, limit: int = 80) -> str:
+    if isinstance(value, list) and value and all(isinstance(v, dict) and "path" in v for v in value):
+        text = ", ".join(
+            f"{v['path']} [{v.get('size', '?')} bytes, sha256 {str(v.get('sha256') or v.get('sha256_sampled') or '-')[:12]}]"
+            for v in value
+        )
+    else:
+        text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
+    return text if len(text) <= limit else text[: limit - 3] + "..."

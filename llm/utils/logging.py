@@ -7,8 +7,6 @@ import sys
 
 import transformers
 
-from llm.utils.checkpoints import latest_checkpoint
-
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -55,11 +53,3 @@ def setup_logging(training_args: transformers.TrainingArguments) -> None:
     parser's notes on the config."""
     configure_logging(logging.INFO if training_args.should_log else logging.WARNING)
     log_config_notes(training_args.config_notes)
-
-
-def resume_checkpoint(training_args: transformers.TrainingArguments) -> str | None:
-    from llm.settings.fingerprint import training_fingerprint
-
-    value = training_args.resume_from_checkpoint
-    fingerprint = training_fingerprint(training_args) if value else None
-    return latest_checkpoint(value, training_args.output_dir, fingerprint)

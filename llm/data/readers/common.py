@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from llm.data.readers.records import FORMATS
-from llm.data.readers.sources import _Where
+from llm.data.readers.sources import RecordPlace
 
 
-def _type_name(value: Any) -> str:
+def type_name(value: Any) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -24,16 +24,16 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
-def _present(rec: dict, key: str) -> bool:
+def is_present(rec: dict, key: str) -> bool:
     return rec.get(key) is not None
 
 
 _FORMAT_NAMES = {"paddle": "PaddleNLP", "trl": "TRL", "shepherd": "Math-Shepherd", "processbench": "ProcessBench"}
 
 
-def _pick_format(
+def pick_format(
     rec: dict,
-    where: _Where,
+    where: RecordPlace,
     kind: str,
     paddle: tuple[str, ...],
     trl: tuple[str, ...],
@@ -42,7 +42,7 @@ def _pick_format(
 ) -> str:
     """'paddle', 'trl', 'shepherd' or 'processbench' by the marker fields present."""
     found = {
-        fmt: [k for k in markers if _present(rec, k)]
+        fmt: [k for k in markers if is_present(rec, k)]
         for fmt, markers in (("paddle", paddle), ("trl", trl), ("shepherd", shepherd), ("processbench", processbench))
     }
     found = {fmt: keys for fmt, keys in found.items() if keys}
@@ -59,8 +59,8 @@ def _pick_format(
     return next(iter(found))
 
 
-def _require(rec: dict, where: _Where, kind: str, fields: tuple[str, ...], fmt_name: str) -> None:
-    missing = [k for k in fields if not _present(rec, k)]
+def require(rec: dict, where: RecordPlace, kind: str, fields: tuple[str, ...], fmt_name: str) -> None:
+    missing = [k for k in fields if not is_present(rec, k)]
     if missing:
         names = ", ".join(repr(k) for k in missing)
         where.fail(

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from llm.data.readers.common import _type_name
+from llm.data.readers.common import type_name
 from llm.data.readers.records import ROLES, Message
-from llm.data.readers.sources import _Where
+from llm.data.readers.sources import RecordPlace
 
 
-def _turns(value: Any, field: str, where: _Where) -> list[str]:
+def paddle_turns(value: Any, field: str, where: RecordPlace) -> list[str]:
     """A PaddleNLP src/tgt value: None, a string or a list of strings."""
     if value is None:
         return []
@@ -28,21 +28,21 @@ def _turns(value: Any, field: str, where: _Where) -> list[str]:
         return list(value)
     where.fail(
         field,
-        f"must be a string or a list of strings, got {_type_name(value)}",
+        f"must be a string or a list of strings, got {type_name(value)}",
         f"write {field} as a list of turn texts",
     )
 
 
-def _system(rec: dict, where: _Where) -> list[Message]:
+def system_messages(rec: dict, where: RecordPlace) -> list[Message]:
     value = rec.get("system")
     if value is None:
         return []
     if not isinstance(value, str):
-        where.fail("system", f"must be a string, got {_type_name(value)}", "give the system prompt as one string")
+        where.fail("system", f"must be a string, got {type_name(value)}", "give the system prompt as one string")
     return [{"role": "system", "content": value}] if value.strip() else []
 
 
-def _history(src: list[str], tgt: list[str], where: _Where) -> list[Message]:
+def history(src: list[str], tgt: list[str], where: RecordPlace) -> list[Message]:
     """src[0] (user), tgt[0] (assistant), src[1] (user), ...; requires len(src) == len(tgt) + 1."""
     if not src:
         where.fail(
@@ -62,21 +62,21 @@ def _history(src: list[str], tgt: list[str], where: _Where) -> list[Message]:
     return messages
 
 
-def _paddle_prompt(rec: dict, where: _Where, allow_none: bool = False) -> list[Message]:
+def paddle_prompt(rec: dict, where: RecordPlace, allow_none: bool = False) -> list[Message]:
     """Prompt for prm/pair records: src has exactly one turn more than tgt.
 
     ``allow_none`` (PRM): a single empty src turn with no tgt means there is no separate prompt, as in
     PaddleNLP's Math-Shepherd conversion, where the question starts the first step; the prompt is [].
     """
-    src = _turns(rec["src"], "src", where)
+    src = paddle_turns(rec["src"], "src", where)
     if not src:
         where.fail(
             "src", "the prompt is empty (src has no turns)", "give the question as a string or a list of user turns"
         )
     tgt_value = rec.get("tgt")
-    tgt = [] if tgt_value == "" else _turns(tgt_value, "tgt", where)
+    tgt = [] if tgt_value == "" else paddle_turns(tgt_value, "tgt", where)
     if allow_none and len(src) == 1 and not src[0].strip() and not tgt:
-        if _system(rec, where):
+        if system_messages(rec, where):
             where.fail(
                 "system",
                 "is given but src is empty: without a prompt the text is the steps alone (the question at the "
@@ -91,14 +91,14 @@ def _paddle_prompt(rec: dict, where: _Where, allow_none: bool = False) -> list[M
             "(tgt holds the assistant answers between the user turns)",
             'use "tgt": [] for a single-turn record, or give one assistant turn per earlier user turn',
         )
-    return _system(rec, where) + _history(src, tgt, where)
+    return system_messages(rec, where) + history(src, tgt, where)
 
 
-def _messages(value: Any, field: str, where: _Where) -> list[Message]:
+def message_list(value: Any, field: str, where: RecordPlace) -> list[Message]:
     if not isinstance(value, (list, tuple)) or not value:
         where.fail(
             field,
-            f"must be a non-empty list of messages, got {_type_name(value)}",
+            f"must be a non-empty list of messages, got {type_name(value)}",
             'give [{"role": ..., "content": ...}]',
         )
     out: list[Message] = []
@@ -106,7 +106,7 @@ def _messages(value: Any, field: str, where: _Where) -> list[Message]:
         if not (isinstance(msg, dict) and isinstance(msg.get("role"), str) and isinstance(msg.get("content"), str)):
             where.fail(
                 field,
-                f"message {j} is not an object with string 'role' and 'content' (got {_type_name(msg)})",
+                f"message {j} is not an object with string 'role' and 'content' (got {type_name(msg)})",
                 'write every message as {"role": "user", "content": "..."}',
             )
         if msg["role"] not in ROLES:
@@ -119,7 +119,7 @@ def _messages(value: Any, field: str, where: _Where) -> list[Message]:
     return out
 
 
-def _check_conversation(messages: list[Message], field: str, where: _Where) -> None:
+def check_conversation(messages: list[Message], field: str, where: RecordPlace) -> None:
     for j, msg in enumerate(messages):
         if msg["role"] == "system" and j > 0:
             where.fail(field, f"message {j} is a system message after the start", "put the system message first")
@@ -133,24 +133,24 @@ def _check_conversation(messages: list[Message], field: str, where: _Where) -> N
         )
 
 
-def _add_system(rec: dict, messages: list[Message], field: str, where: _Where) -> list[Message]:
-    system = _system(rec, where)
+def add_system(rec: dict, messages: list[Message], field: str, where: RecordPlace) -> list[Message]:
+    system = system_messages(rec, where)
     if system and messages[0]["role"] == "system":
         where.fail("system", f"is given and '{field}' already starts with a system message", "keep only one of the two")
     return system + messages
 
 
-def _trl_prompt(rec: dict, where: _Where) -> list[Message]:
+def trl_prompt(rec: dict, where: RecordPlace) -> list[Message]:
     value = rec["prompt"]
     if isinstance(value, str):
         if not value.strip():
             where.fail("prompt", "the prompt is empty", "give the question text")
         messages = [{"role": "user", "content": value}]
     elif isinstance(value, (list, tuple)):
-        messages = _messages(value, "prompt", where)
-        _check_conversation(messages, "prompt", where)
+        messages = message_list(value, "prompt", where)
+        check_conversation(messages, "prompt", where)
     else:
         where.fail(
-            "prompt", f"must be a string or a list of messages, got {_type_name(value)}", "give the question text"
+            "prompt", f"must be a string or a list of messages, got {type_name(value)}", "give the question text"
         )
-    return _add_system(rec, messages, "prompt", where)
+    return add_system(rec, messages, "prompt", where)

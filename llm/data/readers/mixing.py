@@ -24,9 +24,9 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from llm.data.readers.reading import _check_kind, _check_placeholder, _check_reward_tokens, _iter_validated
+from llm.data.readers.reading import check_kind, check_placeholder, check_reward_tokens, iter_validated
 from llm.data.readers.records import Record
-from llm.data.readers.sources import _check_map_keys, _detect_format
+from llm.data.readers.sources import check_map_keys, detect_format
 from llm.utils.errors import UserError
 
 
@@ -47,16 +47,16 @@ def load_dataset_records(
     iterator (no shuffling) that yields the same sequence while reading as it goes.
     ``map_keys`` renames the columns of every file's records (see :mod:`llm.data.readers.sources`).
     """
-    kind = _check_kind(kind)
-    tokens = _check_reward_tokens(reward_tokens)
-    placeholder = _check_placeholder(placeholder)
-    names = _check_map_keys(map_keys, kind)
+    kind = check_kind(kind)
+    tokens = check_reward_tokens(reward_tokens)
+    placeholder = check_placeholder(placeholder)
+    names = check_map_keys(map_keys, kind)
     path_list = _split_paths(paths)
     weights = _parse_probs(probs, path_list) if probs is not None else None
-    formats = [_detect_format(p) for p in path_list]
+    formats = [detect_format(p) for p in path_list]
 
     def opener(i: int) -> Callable[[], Iterator[Record]]:
-        return lambda: _iter_validated(path_list[i], formats[i], kind, tokens, placeholder, names)
+        return lambda: iter_validated(path_list[i], formats[i], kind, tokens, placeholder, names)
 
     if lazy:
         if weights is None:

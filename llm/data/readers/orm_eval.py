@@ -13,19 +13,19 @@ Schema (``kind``)
 
 from __future__ import annotations
 
-from llm.data.readers.common import _present
-from llm.data.readers.pairs import _parse_pair
-from llm.data.readers.prm import _parse_prm
+from llm.data.readers.common import is_present
+from llm.data.readers.pairs import parse_pair
+from llm.data.readers.prm import parse_prm
 from llm.data.readers.records import FORMATS, PairRecord, PRMRecord
-from llm.data.readers.sources import _Where
+from llm.data.readers.sources import RecordPlace
 
 PAIR_FIELDS = ("response", "sort", "chosen", "rejected")
 SOLUTION_FIELDS = ("responses", "completions", "input", "problem", "steps")
 
 
-def _parse_orm_eval(rec: dict, where: _Where, tokens: tuple[str, str], placeholder: str) -> PairRecord | PRMRecord:
-    pair = [k for k in PAIR_FIELDS if _present(rec, k)]
-    solution = [k for k in SOLUTION_FIELDS if _present(rec, k)]
+def parse_orm_eval(rec: dict, where: RecordPlace, tokens: tuple[str, str], placeholder: str) -> PairRecord | PRMRecord:
+    pair = [k for k in PAIR_FIELDS if is_present(rec, k)]
+    solution = [k for k in SOLUTION_FIELDS if is_present(rec, k)]
     if pair and solution:
         where.fail(
             None,
@@ -33,11 +33,11 @@ def _parse_orm_eval(rec: dict, where: _Where, tokens: tuple[str, str], placehold
             f"one record is either a pair or a best-of-N candidate: {FORMATS['orm_eval']}",
         )
     if pair:
-        return _parse_pair(rec, where, tokens, placeholder)
+        return parse_pair(rec, where, tokens, placeholder)
     if not solution:
         keys = ", ".join(repr(k) for k in rec) or "none"
         where.fail(None, f"missing required fields (the record has: {keys})", f"use {FORMATS['orm_eval']}")
-    record = _parse_prm(rec, where, tokens, placeholder)
+    record = parse_prm(rec, where, tokens, placeholder)
     if record.correct is None:
         if record.first_error is not None:
             where.fail(
@@ -54,5 +54,5 @@ def _parse_orm_eval(rec: dict, where: _Where, tokens: tuple[str, str], placehold
             "add its final 'answer' and 'correct' (true/false), give preference pairs, or evaluate step labels "
             "with a PRM (process_reward: true)",
         )
-    # a candidate without a separate question (the Math-Shepherd layouts) and without 'group' stopped in _parse_prm
+    # a candidate without a separate question (the Math-Shepherd layouts) and without 'group' stopped in parse_prm
     return record

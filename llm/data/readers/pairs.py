@@ -13,37 +13,37 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from llm.data.readers.common import _pick_format, _present, _require, _type_name
-from llm.data.readers.conversation import _add_system, _check_conversation, _messages, _paddle_prompt, _trl_prompt
+from llm.data.readers.common import is_present, pick_format, require, type_name
+from llm.data.readers.conversation import add_system, check_conversation, message_list, paddle_prompt, trl_prompt
 from llm.data.readers.records import FORMATS, PairRecord
-from llm.data.readers.sources import _Where
+from llm.data.readers.sources import RecordPlace
 
 
-def _answer_text(value: Any, field: str, where: _Where) -> str:
+def _answer_text(value: Any, field: str, where: RecordPlace) -> str:
     if isinstance(value, str):
         text = value
     elif isinstance(value, (list, tuple)):
-        messages = _messages(value, field, where)
+        messages = message_list(value, field, where)
         if messages[-1]["role"] != "assistant":
             where.fail(field, f"the last message has role {messages[-1]['role']!r}", "end it with the assistant answer")
         text = messages[-1]["content"]
     else:
-        where.fail(field, f"must be a string or a list of messages, got {_type_name(value)}", "give the answer text")
+        where.fail(field, f"must be a string or a list of messages, got {type_name(value)}", "give the answer text")
     if not text.strip():
         where.fail(field, "the answer is empty", "give a non-empty answer")
     return text
 
 
-def _parse_pair(rec: dict, where: _Where, tokens: tuple[str, str], placeholder: str) -> PairRecord:
-    fmt = _pick_format(rec, where, "pair", ("src", "response", "sort"), ("prompt", "chosen", "rejected"))
+def parse_pair(rec: dict, where: RecordPlace, tokens: tuple[str, str], placeholder: str) -> PairRecord:
+    fmt = pick_format(rec, where, "pair", ("src", "response", "sort"), ("prompt", "chosen", "rejected"))
     if fmt == "paddle":
-        _require(rec, where, "pair", ("src", "response", "sort"), "PaddleNLP pair")
-        prompt = _paddle_prompt(rec, where)
+        require(rec, where, "pair", ("src", "response", "sort"), "PaddleNLP pair")
+        prompt = paddle_prompt(rec, where)
         response, sort = rec["response"], rec["sort"]
         if not (
             isinstance(response, (list, tuple)) and len(response) == 2 and all(isinstance(r, str) for r in response)
         ):
-            got = f"a list of {len(response)}" if isinstance(response, (list, tuple)) else _type_name(response)
+            got = f"a list of {len(response)}" if isinstance(response, (list, tuple)) else type_name(response)
             where.fail(
                 "response",
                 f"must be a list of exactly two strings, got {got}",
@@ -69,9 +69,9 @@ def _parse_pair(rec: dict, where: _Where, tokens: tuple[str, str], placeholder: 
         best = 0 if sort[0] > sort[1] else 1
         return PairRecord(prompt, response[best], response[1 - best], where.path, where.index)
 
-    _require(rec, where, "pair", ("chosen", "rejected"), "TRL preference")
-    if _present(rec, "prompt"):
-        prompt = _trl_prompt(rec, where)
+    require(rec, where, "pair", ("chosen", "rejected"), "TRL preference")
+    if is_present(rec, "prompt"):
+        prompt = trl_prompt(rec, where)
     else:  # implicit prompt: both are conversations sharing everything before the last message
         chosen_value, rejected_value = rec["chosen"], rec["rejected"]
         if not (isinstance(chosen_value, (list, tuple)) and isinstance(rejected_value, (list, tuple))):
@@ -80,8 +80,8 @@ def _parse_pair(rec: dict, where: _Where, tokens: tuple[str, str], placeholder: 
                 "missing required field 'prompt' (chosen/rejected are not conversations it could be taken from)",
                 f"add 'prompt'; accepted formats: {FORMATS['pair']}",
             )
-        chosen_msgs = _messages(chosen_value, "chosen", where)
-        rejected_msgs = _messages(rejected_value, "rejected", where)
+        chosen_msgs = message_list(chosen_value, "chosen", where)
+        rejected_msgs = message_list(rejected_value, "rejected", where)
         if chosen_msgs[:-1] != rejected_msgs[:-1]:
             where.fail(
                 "rejected",
@@ -89,8 +89,8 @@ def _parse_pair(rec: dict, where: _Where, tokens: tuple[str, str], placeholder: 
                 "give the conversation before the answers as 'prompt'",
             )
         prompt = chosen_msgs[:-1]
-        _check_conversation(prompt, "chosen", where)
-        prompt = _add_system(rec, prompt, "chosen", where)
+        check_conversation(prompt, "chosen", where)
+        prompt = add_system(rec, prompt, "chosen", where)
     chosen = _answer_text(rec["chosen"], "chosen", where)
     rejected = _answer_text(rec["rejected"], "rejected", where)
     return PairRecord(prompt, chosen, rejected, where.path, where.index)

@@ -31,16 +31,16 @@ import os
 import re
 from typing import Any, NoReturn
 
-from llm.data.readers.common import _pick_format, _present, _require, _type_name
-from llm.data.readers.conversation import _paddle_prompt, _trl_prompt
+from llm.data.readers.common import is_present, pick_format, require, type_name
+from llm.data.readers.conversation import paddle_prompt, trl_prompt
 from llm.data.readers.records import PRMRecord
-from llm.data.readers.sources import _Where
+from llm.data.readers.sources import RecordPlace
 
 
-def _steps(value: Any, field: str, where: _Where, placeholder: str) -> list[str]:
+def _steps(value: Any, field: str, where: RecordPlace, placeholder: str) -> list[str]:
     if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
         where.fail(
-            field, f"must be a list of step strings, got {_type_name(value)}", "give the solution as a list of steps"
+            field, f"must be a list of step strings, got {type_name(value)}", "give the solution as a list of steps"
         )
     if not value:
         where.fail(field, "has no steps", "give at least one solution step")
@@ -58,12 +58,10 @@ def _steps(value: Any, field: str, where: _Where, placeholder: str) -> list[str]
     return list(value)
 
 
-def _labels(value: Any, where: _Where, tokens: tuple[str, str], n_steps: int, steps_field: str) -> list[str]:
+def _labels(value: Any, where: RecordPlace, tokens: tuple[str, str], n_steps: int, steps_field: str) -> list[str]:
     allowed = f"{tokens[0]!r} (correct) or {tokens[1]!r} (wrong)"
     if not isinstance(value, (list, tuple)):
-        where.fail(
-            "labels", f"must be a list with one label per step, got {_type_name(value)}", f"use labels {allowed}"
-        )
+        where.fail("labels", f"must be a list with one label per step, got {type_name(value)}", f"use labels {allowed}")
     if len(value) != n_steps:
         where.fail(
             "labels",
@@ -85,12 +83,14 @@ def _labels(value: Any, where: _Where, tokens: tuple[str, str], n_steps: int, st
     return out
 
 
-def _shepherd_steps(rec: dict, where: _Where, tokens: tuple[str, str], placeholder: str) -> tuple[list[str], list[str]]:
+def _shepherd_steps(
+    rec: dict, where: RecordPlace, tokens: tuple[str, str], placeholder: str
+) -> tuple[list[str], list[str]]:
     """Hugging Face Math-Shepherd row: steps are ``input`` split at the placeholder, each label is the
     reward token standing at that placeholder's place in ``label`` (elsewhere the two texts are equal)."""
     for field in ("input", "label"):
         if not isinstance(rec[field], str):
-            where.fail(field, f"must be a string, got {_type_name(rec[field])}", "give the solution text")
+            where.fail(field, f"must be a string, got {type_name(rec[field])}", "give the solution text")
     text, marked = rec["input"], rec["label"]
     pieces = text.split(placeholder)
     if len(pieces) == 1:
@@ -146,26 +146,26 @@ def _shepherd_steps(rec: dict, where: _Where, tokens: tuple[str, str], placehold
     return steps, labels
 
 
-def _parse_prm(rec: dict, where: _Where, tokens: tuple[str, str], placeholder: str) -> PRMRecord:
+def parse_prm(rec: dict, where: RecordPlace, tokens: tuple[str, str], placeholder: str) -> PRMRecord:
     processbench = ("problem", "steps")
     # "label" marks Math-Shepherd's layout, unless ProcessBench's fields are there (its label is the first error)
-    shepherd = ("input",) if any(_present(rec, k) for k in processbench) else ("input", "label")
-    fmt = _pick_format(rec, where, "prm", ("src", "responses"), ("prompt", "completions"), shepherd, processbench)
+    shepherd = ("input",) if any(is_present(rec, k) for k in processbench) else ("input", "label")
+    fmt = pick_format(rec, where, "prm", ("src", "responses"), ("prompt", "completions"), shepherd, processbench)
     candidate = _candidate(rec, where)
     if fmt == "processbench":
         return _processbench(rec, where, tokens, placeholder, candidate)
     if fmt == "shepherd":
-        _require(rec, where, "prm", ("input", "label"), "Math-Shepherd")
+        require(rec, where, "prm", ("input", "label"), "Math-Shepherd")
         steps, labels = _shepherd_steps(rec, where, tokens, placeholder)
         _need_group(candidate, where, "Math-Shepherd layout: the question starts 'input'")
         return PRMRecord([], steps, labels, where.path, where.index, **candidate)
-    unlabelled = candidate["correct"] is not None and not _present(rec, "labels")
+    unlabelled = candidate["correct"] is not None and not is_present(rec, "labels")
     if fmt == "paddle":
-        _require(rec, where, "prm", ("src", "responses") + (() if unlabelled else ("labels",)), "PaddleNLP PRM")
-        prompt, steps_field = _paddle_prompt(rec, where, allow_none=True), "responses"
+        require(rec, where, "prm", ("src", "responses") + (() if unlabelled else ("labels",)), "PaddleNLP PRM")
+        prompt, steps_field = paddle_prompt(rec, where, allow_none=True), "responses"
     else:
-        _require(rec, where, "prm", ("prompt", "completions") + (() if unlabelled else ("labels",)), "TRL stepwise")
-        prompt, steps_field = _trl_prompt(rec, where), "completions"
+        require(rec, where, "prm", ("prompt", "completions") + (() if unlabelled else ("labels",)), "TRL stepwise")
+        prompt, steps_field = trl_prompt(rec, where), "completions"
     steps = _steps(rec[steps_field], steps_field, where, placeholder)
     labels = [None] * len(steps) if unlabelled else _labels(rec["labels"], where, tokens, len(steps), steps_field)
     if not prompt:  # PaddleNLP's Math-Shepherd conversion (src: [""]): the question starts the first step
@@ -175,7 +175,7 @@ def _parse_prm(rec: dict, where: _Where, tokens: tuple[str, str], placeholder: s
     return PRMRecord(prompt, steps, labels, where.path, where.index, **candidate)
 
 
-def _need_group(candidate: dict, where: _Where, layout: str) -> None:
+def _need_group(candidate: dict, where: RecordPlace, layout: str) -> None:
     """A best-of-N candidate without a separate question must name its problem in ``group``."""
     if candidate["correct"] is None or candidate["group"] is not None:
         return
@@ -190,16 +190,16 @@ def _need_group(candidate: dict, where: _Where, layout: str) -> None:
 _SUBSET_ID = re.compile(r"^(.+)-\d+$")
 
 
-def _optional_text(rec: dict, field: str, where: _Where) -> str | None:
-    if not _present(rec, field):
+def _optional_text(rec: dict, field: str, where: RecordPlace) -> str | None:
+    if not is_present(rec, field):
         return None
     value = rec[field]
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        where.fail(field, f"must be a string or a number, got {_type_name(value)}", f"give {field} as a string")
+        where.fail(field, f"must be a string or a number, got {type_name(value)}", f"give {field} as a string")
     return str(value)
 
 
-def _candidate(rec: dict, where: _Where) -> dict:
+def _candidate(rec: dict, where: RecordPlace) -> dict:
     """The best-of-N fields (``group``, ``answer``, ``correct``) and ``generator``; answer and correct come together."""
     out = {
         "group": _optional_text(rec, "group", where),
@@ -208,10 +208,10 @@ def _candidate(rec: dict, where: _Where) -> dict:
         "correct": None,
     }
     # ProcessBench's final_answer_correct is the correctness of a candidate that gives its answer
-    flag = "correct" if _present(rec, "correct") or out["answer"] is None else "final_answer_correct"
-    if _present(rec, flag):
+    flag = "correct" if is_present(rec, "correct") or out["answer"] is None else "final_answer_correct"
+    if is_present(rec, flag):
         if not isinstance(rec[flag], bool):
-            where.fail(flag, f"must be true or false, got {_type_name(rec[flag])}", "give a JSON boolean")
+            where.fail(flag, f"must be true or false, got {type_name(rec[flag])}", "give a JSON boolean")
         out["correct"] = rec[flag]
     if (out["answer"] is None) != (out["correct"] is None):
         have, need = ("answer", "correct") if out["answer"] is not None else ("correct", "answer")
@@ -221,8 +221,10 @@ def _candidate(rec: dict, where: _Where) -> dict:
     return out
 
 
-def _processbench(rec: dict, where: _Where, tokens: tuple[str, str], placeholder: str, candidate: dict) -> PRMRecord:
-    _require(rec, where, "prm", ("problem", "steps", "label"), "ProcessBench")
+def _processbench(
+    rec: dict, where: RecordPlace, tokens: tuple[str, str], placeholder: str, candidate: dict
+) -> PRMRecord:
+    require(rec, where, "prm", ("problem", "steps", "label"), "ProcessBench")
     if not isinstance(rec["problem"], str) or not rec["problem"].strip():
         where.fail("problem", "must be a non-empty string", "give the problem text")
     steps = _steps(rec["steps"], "steps", where, placeholder)

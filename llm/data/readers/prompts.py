@@ -11,35 +11,35 @@ from __future__ import annotations
 
 from typing import Any
 
-from llm.data.readers.common import _pick_format, _present, _type_name
-from llm.data.readers.conversation import _history, _system, _trl_prompt, _turns
+from llm.data.readers.common import is_present, pick_format, type_name
+from llm.data.readers.conversation import history, paddle_turns, system_messages, trl_prompt
 from llm.data.readers.records import PromptRecord
-from llm.data.readers.sources import _Where
+from llm.data.readers.sources import RecordPlace
 
 
-def _reference(value: Any, field: str, where: _Where) -> str:
+def _reference(value: Any, field: str, where: RecordPlace) -> str:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if not isinstance(value, str):
-        where.fail(field, f"must be a string (the reference answer), got {_type_name(value)}", "give the answer text")
+        where.fail(field, f"must be a string (the reference answer), got {type_name(value)}", "give the answer text")
     if not value.strip():
         where.fail(field, "the reference answer is empty", f"give the answer, or remove '{field}' (or set it to null)")
     return value
 
 
-def _parse_prompt(rec: dict, where: _Where, tokens: tuple[str, str], placeholder: str) -> PromptRecord:
-    fmt = _pick_format(rec, where, "prompt", ("src",), ("prompt",))
-    extra = next((k for k in ("reference", "answer") if _present(rec, k)), None)
+def parse_prompt(rec: dict, where: RecordPlace, tokens: tuple[str, str], placeholder: str) -> PromptRecord:
+    fmt = pick_format(rec, where, "prompt", ("src",), ("prompt",))
+    extra = next((k for k in ("reference", "answer") if is_present(rec, k)), None)
     if fmt == "trl":
-        messages = _trl_prompt(rec, where)
-        field = extra or ("tgt" if _present(rec, "tgt") else None)
+        messages = trl_prompt(rec, where)
+        field = extra or ("tgt" if is_present(rec, "tgt") else None)
         if field is not None and isinstance(rec[field], (list, tuple)):
             where.fail(field, "must be a string (the reference answer), got list", "give the answer text")
         reference = _reference(rec[field], field, where) if field else None
         return PromptRecord(messages, reference, where.path, where.index)
 
-    src = _turns(rec["src"], "src", where)
-    tgt = _turns(rec.get("tgt"), "tgt", where)
+    src = paddle_turns(rec["src"], "src", where)
+    tgt = paddle_turns(rec.get("tgt"), "tgt", where)
     reference = None
     if len(tgt) == len(src) and src:
         reference = _reference(tgt[-1], "tgt", where)
@@ -53,5 +53,5 @@ def _parse_prompt(rec: dict, where: _Where, tokens: tuple[str, str], placeholder
         )
     if reference is None and extra:
         reference = _reference(rec[extra], extra, where)
-    messages = _system(rec, where) + _history(src, tgt, where)
+    messages = system_messages(rec, where) + history(src, tgt, where)
     return PromptRecord(messages, reference, where.path, where.index)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 
-from llm.data.readers.common import _type_name
-from llm.data.readers.orm_eval import _parse_orm_eval
-from llm.data.readers.pairs import _parse_pair
-from llm.data.readers.prm import _parse_prm
-from llm.data.readers.prompts import _parse_prompt
+from llm.data.readers.common import type_name
+from llm.data.readers.orm_eval import parse_orm_eval
+from llm.data.readers.pairs import parse_pair
+from llm.data.readers.prm import parse_prm
+from llm.data.readers.prompts import parse_prompt
 from llm.data.readers.records import FORMATS, KINDS, Record
-from llm.data.readers.sft import _parse_sft
-from llm.data.readers.sources import _check_map_keys, _detect_format, _iter_raw, _rename, _Where
+from llm.data.readers.sft import parse_sft
+from llm.data.readers.sources import RecordPlace, check_map_keys, detect_format, iter_raw, rename
 from llm.utils.errors import UserError, closest
 
 
@@ -29,13 +29,13 @@ def iter_records(
     Arguments, path and format are checked at once; records are read and checked as the
     iterator advances. An empty file raises when the iterator reaches its end.
     """
-    kind = _check_kind(kind)
-    tokens = _check_reward_tokens(reward_tokens)
-    placeholder = _check_placeholder(placeholder)
-    names = _check_map_keys(map_keys, kind)
+    kind = check_kind(kind)
+    tokens = check_reward_tokens(reward_tokens)
+    placeholder = check_placeholder(placeholder)
+    names = check_map_keys(map_keys, kind)
     path = os.fspath(path)
-    fmt = _detect_format(path)
-    return _iter_validated(path, fmt, kind, tokens, placeholder, names)
+    fmt = detect_format(path)
+    return iter_validated(path, fmt, kind, tokens, placeholder, names)
 
 
 def read_records(
@@ -55,7 +55,7 @@ def read_records(
 # --------------------------------------------------------------------------------------------
 
 
-def _check_kind(kind: str) -> str:
+def check_kind(kind: str) -> str:
     if kind not in KINDS:
         raise UserError(
             f"unknown data kind {kind!r}; use one of {', '.join(map(repr, KINDS))} "
@@ -64,7 +64,7 @@ def _check_kind(kind: str) -> str:
     return kind
 
 
-def _check_reward_tokens(reward_tokens: str | Sequence[str]) -> tuple[str, str]:
+def check_reward_tokens(reward_tokens: str | Sequence[str]) -> tuple[str, str]:
     tokens = reward_tokens.split(",") if isinstance(reward_tokens, str) else list(reward_tokens)
     if len(tokens) != 2 or not all(isinstance(t, str) and t for t in tokens) or tokens[0] == tokens[1]:
         raise UserError(
@@ -74,30 +74,30 @@ def _check_reward_tokens(reward_tokens: str | Sequence[str]) -> tuple[str, str]:
     return tokens[0], tokens[1]
 
 
-def _check_placeholder(placeholder: str) -> str:
+def check_placeholder(placeholder: str) -> str:
     if not isinstance(placeholder, str) or not placeholder:
         raise UserError(f'placeholder {placeholder!r} is invalid: give a non-empty string, e.g. "ки"')
     return placeholder
 
 
-def _iter_validated(
+def iter_validated(
     path: str, fmt: str, kind: str, tokens: tuple[str, str], placeholder: str, names: dict[str, str]
 ) -> Iterator[Record]:
     parse = {
-        "prm": _parse_prm,
-        "pair": _parse_pair,
-        "prompt": _parse_prompt,
-        "sft": _parse_sft,
-        "orm_eval": _parse_orm_eval,
+        "prm": parse_prm,
+        "pair": parse_pair,
+        "prompt": parse_prompt,
+        "sft": parse_sft,
+        "orm_eval": parse_orm_eval,
     }[kind]
     index = 0
-    for line, obj in _iter_raw(path, fmt):
-        where = _Where(path, index, line, names)
+    for line, obj in iter_raw(path, fmt):
+        where = RecordPlace(path, index, line, names)
         if not isinstance(obj, dict):
             where.fail(
-                None, f"is a JSON {_type_name(obj)}, not an object", f"every record must be an object: {FORMATS[kind]}"
+                None, f"is a JSON {type_name(obj)}, not an object", f"every record must be an object: {FORMATS[kind]}"
             )
-        yield parse(_rename(obj, names, where) if names else obj, where, tokens, placeholder)
+        yield parse(rename(obj, names, where) if names else obj, where, tokens, placeholder)
         index += 1
     if index == 0:
         raise UserError(

@@ -9,17 +9,17 @@ Schema (``kind``)
 
 from __future__ import annotations
 
-from llm.data.readers.common import _pick_format, _require
-from llm.data.readers.conversation import _add_system, _history, _messages, _system, _turns
+from llm.data.readers.common import pick_format, require
+from llm.data.readers.conversation import add_system, history, message_list, paddle_turns, system_messages
 from llm.data.readers.records import SFTRecord
-from llm.data.readers.sources import _Where
+from llm.data.readers.sources import RecordPlace
 
 
-def _parse_sft(rec: dict, where: _Where, tokens: tuple[str, str], placeholder: str) -> SFTRecord:
-    fmt = _pick_format(rec, where, "sft", ("src", "tgt"), ("messages",))
+def parse_sft(rec: dict, where: RecordPlace, tokens: tuple[str, str], placeholder: str) -> SFTRecord:
+    fmt = pick_format(rec, where, "sft", ("src", "tgt"), ("messages",))
     if fmt == "paddle":
-        _require(rec, where, "sft", ("src", "tgt"), "PaddleNLP SFT")
-        src, tgt = _turns(rec["src"], "src", where), _turns(rec["tgt"], "tgt", where)
+        require(rec, where, "sft", ("src", "tgt"), "PaddleNLP SFT")
+        src, tgt = paddle_turns(rec["src"], "src", where), paddle_turns(rec["tgt"], "tgt", where)
         if len(src) != len(tgt) or not src:
             where.fail(
                 "tgt",
@@ -30,10 +30,10 @@ def _parse_sft(rec: dict, where: _Where, tokens: tuple[str, str], placeholder: s
         for j, text in enumerate(tgt):
             if not text.strip():
                 where.fail("tgt", f"turn {j} is empty", "give a non-empty answer for every user turn")
-        messages = _system(rec, where) + _history(src, tgt[:-1], where)
+        messages = system_messages(rec, where) + history(src, tgt[:-1], where)
         return SFTRecord(messages + [{"role": "assistant", "content": tgt[-1]}], where.path, where.index)
 
-    messages = _add_system(rec, _messages(rec["messages"], "messages", where), "messages", where)
+    messages = add_system(rec, message_list(rec["messages"], "messages", where), "messages", where)
     for j, msg in enumerate(messages):
         if msg["role"] == "system" and j > 0:
             where.fail("messages", f"message {j} is a system message after the start", "put the system message first")

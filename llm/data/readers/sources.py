@@ -44,7 +44,7 @@ _BATCH = 1024  # rows per Arrow batch
 # --------------------------------------------------------------------------------------------
 
 
-class _Where:
+class RecordPlace:
     """Where a record is, for error messages."""
 
     __slots__ = ("index", "line", "names", "path")
@@ -63,7 +63,7 @@ class _Where:
         raise UserError(f"{place}: {problem}. Fix: {fix}")
 
 
-def _detect_format(path: str) -> str:
+def detect_format(path: str) -> str:
     if os.path.isdir(path):
         return "hf"
     if not os.path.exists(path):
@@ -81,7 +81,7 @@ def _detect_format(path: str) -> str:
     )
 
 
-def _iter_raw(path: str, fmt: str) -> Iterator[tuple[int | None, Any]]:
+def iter_raw(path: str, fmt: str) -> Iterator[tuple[int | None, Any]]:
     if fmt == "json":
         return _iter_json(path)
     if fmt == "parquet":
@@ -134,7 +134,7 @@ def _iter_json_lines(path: str) -> Iterator[tuple[int | None, Any]]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as err:
-                _Where(path, index, line_no).fail(
+                RecordPlace(path, index, line_no).fail(
                     None,
                     f"invalid JSON at column {err.colno}: {err.msg}",
                     "a JSON lines file holds one complete JSON object per line; a .json file may instead "
@@ -295,7 +295,7 @@ def _iter_hf(path: str) -> Iterator[tuple[int | None, Any]]:
 # --------------------------------------------------------------------------------------------
 
 
-def _check_map_keys(map_keys: dict[str, str] | None, kind: str) -> dict[str, str]:
+def check_map_keys(map_keys: dict[str, str] | None, kind: str) -> dict[str, str]:
     if map_keys is None:
         return {}
     example = '{"src": "question", "tgt": "answer"}'
@@ -320,7 +320,7 @@ def _check_map_keys(map_keys: dict[str, str] | None, kind: str) -> dict[str, str
     return dict(map_keys)
 
 
-def _rename(rec: dict, names: dict[str, str], where: _Where) -> dict:
+def rename(rec: dict, names: dict[str, str], where: RecordPlace) -> dict:
     """``map_keys``: each field takes its column's value; the mapped columns and any column that already
     carries a mapped field's name are dropped, so the renaming is simultaneous (a swap works)."""
     for field, column in names.items():

@@ -49,7 +49,7 @@ def _rope(config: Any) -> dict:
     return dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
 
 
-def _architecture(t: Translation, role: str, g: Given) -> None:
+def architecture_name(t: Translation, role: str, g: Given) -> None:
     t.typed(g, bool | int | float | str)  # compared with config.json once load is known (check_architecture)
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 
 from llm.settings.dialects.mindspeed.architecture import check_architecture
-from llm.settings.dialects.mindspeed.files import _model_files
-from llm.settings.dialects.mindspeed.merge import _merge, _ours, _pool
+from llm.settings.dialects.mindspeed.files import model_files
+from llm.settings.dialects.mindspeed.merge import merge, ours, translate_pool
 from llm.settings.dialects.mindspeed.names import RULES
 from llm.settings.dialects.mindspeed.rule_types import ACTOR, MINDSPEED_SECTIONS, ROLE_PLACES, TRAINED, Translation
 from llm.utils.errors import closest
@@ -54,8 +54,8 @@ def translate(raw: dict, path: str, found: str, notes: list[str]) -> dict:
                 " (in MindSpeed's layout it goes inside actor_rollout_ref)" if key in ("actor_rollout", "ref") else ""
             )
             raise t.fail(key, f"unknown section{inside}; closest valid names: {closest(str(key), MINDSPEED_SECTIONS)}")
-    _merge(t, raw, _model_files(t, raw.get("defaults"), os.path.dirname(os.path.abspath(found))))
-    _pool(t, raw.get("resource_pool"))
+    merge(t, raw, model_files(t, raw.get("defaults"), os.path.dirname(os.path.abspath(found))))
+    translate_pool(t, raw.get("resource_pool"))
     for role, merged in t.merged.items():
         # the parallel sizes first: a refused one explains the settings that depend on it (sequence_parallel)
         for name, g in sorted(merged.items(), key=lambda item: not item[0].endswith("_parallel_size")):
@@ -104,7 +104,7 @@ def translate(raw: dict, path: str, found: str, notes: list[str]) -> dict:
         if not isinstance(values, dict):
             raise t.fail(section, "must be a mapping")
         for key, value in values.items():
-            if key in _ours(t, section):
+            if key in ours(t, section):
                 t.set(section, key, value, f"{section}.{key}")
             else:
                 t.out[section][key] = value  # the section's own check names the closest valid keys

@@ -63,7 +63,7 @@ def is_mindspeed_layout(raw: dict) -> bool:
     return "actor_rollout_ref" in raw or isinstance(raw.get("defaults"), list)
 
 
-def _model_files(t: Translation, defaults: Any, directory: str) -> dict[str, tuple[str, dict]]:
+def model_files(t: Translation, defaults: Any, directory: str) -> dict[str, tuple[str, dict]]:
     """hydra's defaults list: ``{model: [name, ...]}`` entries load ``model/<name>.yaml`` beside the file;
     each holds ``{name: {Megatron arguments}}``."""
     if defaults is None:

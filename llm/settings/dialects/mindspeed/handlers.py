@@ -37,7 +37,7 @@ def no_effect(why: str, annotation: Any = bool):
     return apply
 
 
-def _load(t: Translation, role: str, g: Given) -> None:
+def load(t: Translation, role: str, g: Given) -> None:
     value = t.typed(g, str)
     found = resolve_input_path(value)
     if found is None:
@@ -60,13 +60,13 @@ def _load(t: Translation, role: str, g: Given) -> None:
         t.note(g.where, "the reward model (reward.type orm: its score at the last response token, as MindSpeed's)")
 
 
-def _save(t: Translation, role: str, g: Given) -> None:
+def save(t: Translation, role: str, g: Given) -> None:
     t.set("training", "output_dir", t.typed(g, str), g.where)
     label = "actor" if role == "actor_rollout" else role
     t.note(g.where, f"training.output_dir: the {label} is written to {os.path.join(g.value, label)}/ (Hugging Face)")
 
 
-def _tokenizer(t: Translation, role: str, g: Given) -> None:
+def tokenizer_name(t: Translation, role: str, g: Given) -> None:
     value = t.typed(g, str)
     if role in ("actor_rollout", "reward"):
         t.set(role, "tokenizer_name_or_path", value, g.where)
@@ -76,11 +76,11 @@ def _tokenizer(t: Translation, role: str, g: Given) -> None:
         raise t.fail(g.where, f"{role} reads the actor's token ids, so it uses the actor's tokenizer: remove it")
 
 
-def _bf16(t: Translation, role: str, g: Given) -> None:
+def bf16(t: Translation, role: str, g: Given) -> None:
     t.typed(g, bool)  # the roles' values are compared in _precision
 
 
-def _mini_batch(field: str):
+def mini_batch(field: str):
     def apply(t: Translation, role: str, g: Given) -> None:
         per_rank = t.typed(g, int)
         ranks = t.ranks[role]
@@ -91,7 +91,7 @@ def _mini_batch(field: str):
     return apply
 
 
-def _warmup(t: Translation, role: str, g: Given) -> None:
+def warmup_name(t: Translation, role: str, g: Given) -> None:
     name = g.name
     if name == "lr_warmup_iters" and t.given(role, "lr_warmup_fraction") is not None:
         t.note(g.where, "no effect: lr_warmup_fraction wins, as in Megatron")
@@ -115,11 +115,11 @@ def _warmup(t: Translation, role: str, g: Given) -> None:
     t.note(g.where, f"{amount}: {steps} optimizer steps of linear warmup ({samples:g} scheduler samples / {increment})")
 
 
-def _cliprange_value(value: float) -> float | None:
+def cliprange_or_none(value: float) -> float | None:
     return value if value > 0 else None  # critic.py: no clipping unless cliprange_value > 0
 
 
-def _data_path(t: Translation, role: str, g: Given) -> None:
+def data_path_name(t: Translation, role: str, g: Given) -> None:
     value = t.typed(g, str).strip()
     if len(value.split()) > 1:
         raise t.fail(
@@ -147,5 +147,5 @@ def _data_path(t: Translation, role: str, g: Given) -> None:
     )
 
 
-def _temperature(t: Translation, role: str, g: Given) -> None:
+def temperature(t: Translation, role: str, g: Given) -> None:
     t.typed(g, float)  # applied in _sampling, which knows do_sample

@@ -11,11 +11,11 @@ from llm.settings.dialects.mindspeed.rule_types import ALL, ROLE_PLACES, Given, 
 from llm.utils.errors import closest
 
 
-def _ours(t: Translation, section: str) -> set[str]:
+def ours(t: Translation, section: str) -> set[str]:
     return set(fields.init_fields(t.sections[section]))
 
 
-def _merge(t: Translation, raw: dict, models: dict) -> None:
+def merge(t: Translation, raw: dict, models: dict) -> None:
     """Each role's arguments, model file < training < own section; our own names go straight to ``out``."""
     training = raw.get("training") or {}
     if not isinstance(training, dict):
@@ -24,10 +24,10 @@ def _merge(t: Translation, raw: dict, models: dict) -> None:
     for key, value in training.items():
         if key in RULES:
             shared[key] = Given(key, value, f"training.{key}", False)
-        elif key in _ours(t, "training"):
+        elif key in ours(t, "training"):
             t.set("training", key, value, f"training.{key}")
         else:
-            valid = [*RULES, *_ours(t, "training")]
+            valid = [*RULES, *ours(t, "training")]
             raise t.fail(f"training.{key}", f"unknown name; closest valid names: {closest(str(key), valid)}")
     pair = raw.get("actor_rollout_ref")
     if not isinstance(pair, dict) or "actor_rollout" not in pair:
@@ -58,10 +58,10 @@ def _merge(t: Translation, raw: dict, models: dict) -> None:
                 continue
             if key in RULES:
                 merged[key] = Given(key, value, f"{place}.{key}", True)
-            elif key in _ours(t, role):
+            elif key in ours(t, role):
                 t.set(role, key, value, f"{place}.{key}")
             else:
-                valid = [*RULES, *_ours(t, role)]
+                valid = [*RULES, *ours(t, role)]
                 raise t.fail(f"{place}.{key}", f"unknown name; closest valid names: {closest(str(key), valid)}")
         for key, g in merged.items():
             if key not in RULES:
@@ -69,7 +69,7 @@ def _merge(t: Translation, raw: dict, models: dict) -> None:
         t.merged[role] = merged
 
 
-def _pool(t: Translation, raw: Any) -> None:
+def translate_pool(t: Translation, raw: Any) -> None:
     """``resource_pool``: a list of devices per node for each role (RayResourcePool(process_on_nodes)); the
     actor's split into training and generation devices by num_gpus_for_train / num_gpus_for_infer."""
     raw = {} if raw is None else raw
@@ -87,12 +87,12 @@ def _pool(t: Translation, raw: Any) -> None:
                 t.note(
                     where, f"{value}: {sum(per_node)} devices; one placement group packs them onto as few nodes as fit"
                 )
-        elif key in _ours(t, "resource_pool"):
+        elif key in ours(t, "resource_pool"):
             t.set("resource_pool", key, value, where)
             if key in ALL:
                 counts[key] = t.out["resource_pool"][key]
         else:
-            raise t.fail(where, f"unknown name; closest valid names: {closest(str(key), _ours(t, 'resource_pool'))}")
+            raise t.fail(where, f"unknown name; closest valid names: {closest(str(key), ours(t, 'resource_pool'))}")
     train, infer = t.given("actor_rollout", "num_gpus_for_train"), t.given("actor_rollout", "num_gpus_for_infer")
     if (train is None) != (infer is None):
         given = train or infer

@@ -3,22 +3,22 @@ MindSpeed-LLM / Megatron reads it (the justification of the mapping; README "PPO
 
 from __future__ import annotations
 
-from llm.settings.dialects.mindspeed.architecture import ARCHITECTURE, KERNELS, _architecture
+from llm.settings.dialects.mindspeed.architecture import ARCHITECTURE, KERNELS, architecture_name
 from llm.settings.dialects.mindspeed.handlers import (
-    _bf16,
-    _cliprange_value,
-    _data_path,
-    _load,
-    _mini_batch,
-    _save,
-    _temperature,
-    _tokenizer,
-    _warmup,
+    bf16,
+    cliprange_or_none,
+    data_path_name,
     kernel,
+    load,
+    mini_batch,
     no_effect,
+    save,
+    temperature,
     to,
+    tokenizer_name,
+    warmup_name,
 )
-from llm.settings.dialects.mindspeed.refusals import _decay, _parallel, _recompute, _split, _stage, _tp, same
+from llm.settings.dialects.mindspeed.refusals import decay, parallel, recompute, same, split, stage_name, tp
 from llm.settings.dialects.mindspeed.rule_types import ACTOR, ALL, TRAINED, Rule
 
 HERE = "what this trainer does"
@@ -31,7 +31,7 @@ S_OPT = "Megatron arguments.py _add_regularization_args, optimizer (Adam + clip_
 
 RULES: dict[str, Rule] = {
     # run: the driver and the actor's data / generation
-    "stage": Rule(ALL, _stage, "ray_gpt.py main_task: get_trainer(config.training.stage)"),
+    "stage": Rule(ALL, stage_name, "ray_gpt.py main_task: get_trainer(config.training.stage)"),
     "train_iters": Rule(ALL, to("max_steps", "training"), f"{S_TRAINER} train: while iteration < train_iters"),
     "save_interval": Rule(ALL, to("save_steps", "training"), f"{S_TRAINER} train: iteration % save_interval"),
     "global_batch_size": Rule(
@@ -39,8 +39,8 @@ RULES: dict[str, Rule] = {
     ),
     "seq_length": Rule(ACTOR, lambda t, r, g: None, f"{S_ACTOR} run_inference: max_new_tokens = seq_length - mpl"),
     "max_prompt_length": Rule(ACTOR, to("max_prompt_length"), f"{S_ACTOR} dataset seq_length=max_prompt_length"),
-    "data_path": Rule(ACTOR, _data_path, f"{S_ACTOR} train_valid_test_datasets_provider: data_prefix=data_path"),
-    "split": Rule(ACTOR, _split, f"{S_ACTOR} build_blended_mtf_dataset(splits_string=split): only train is read"),
+    "data_path": Rule(ACTOR, data_path_name, f"{S_ACTOR} train_valid_test_datasets_provider: data_prefix=data_path"),
+    "split": Rule(ACTOR, split, f"{S_ACTOR} build_blended_mtf_dataset(splits_string=split): only train is read"),
     "no_shuffle": Rule(ACTOR, to("shuffle", "data", lambda v: not v), "mindspeed arguments.py --no-shuffle"),
     "seed": Rule(ALL, to("seed", "training"), "initialize.py _set_random_seed(args.seed); Megatron default 1234"),
     "tokenizer_type": Rule(
@@ -48,7 +48,7 @@ RULES: dict[str, Rule] = {
         same(str, lambda v, t, r: v == "PretrainedFromHF", "a Hugging Face tokenizer, " + HERE, "PretrainedFromHF"),
         "Megatron build_tokenizer",
     ),
-    "tokenizer_name_or_path": Rule(ALL, _tokenizer, "reward.py AutoTokenizer.from_pretrained; actor generation"),
+    "tokenizer_name_or_path": Rule(ALL, tokenizer_name, "reward.py AutoTokenizer.from_pretrained; actor generation"),
     "is_instruction_dataset": Rule(
         ALL,
         same(bool, lambda v, t, r: v, "prompt records (instruction data), " + HERE, "prompts are instruction data"),
@@ -65,7 +65,7 @@ RULES: dict[str, Rule] = {
     ),
     # the actor: generation and the policy update
     "do_sample": Rule(ACTOR, to("do_sample"), f"{S_ACTOR} generate(do_sample=...); MindSpeed default false"),
-    "temperature": Rule(ACTOR, _temperature, f"{S_ACTOR} generate(temperature=...): sampling only"),
+    "temperature": Rule(ACTOR, temperature, f"{S_ACTOR} generate(temperature=...): sampling only"),
     "top_p": Rule(
         ACTOR, no_effect("MindSpeed's PPO does not pass it to generate (no filtering), as here", float), S_ACTOR
     ),
@@ -85,7 +85,7 @@ RULES: dict[str, Rule] = {
         ACTOR, to("num_samples_per_step"), f"{S_ACTOR} run_inference: each prompt repeated n_samples_per_prompt times"
     ),
     "use_kv_cache": Rule(ACTOR, no_effect("generation here always uses the KV cache (same tokens)"), S_ACTOR),
-    "ppo_mini_batch_size": Rule(ACTOR, _mini_batch("ppo_mini_batch_size"), f"{S_ACTOR} make_minibatch_iterator"),
+    "ppo_mini_batch_size": Rule(ACTOR, mini_batch("ppo_mini_batch_size"), f"{S_ACTOR} make_minibatch_iterator"),
     "ppo_epochs": Rule(ACTOR, to("ppo_epochs"), f"{S_ACTOR} make_minibatch_iterator(epochs=ppo_epochs)"),
     "clip_ratio": Rule(ACTOR, to("clip_ratio"), "core_algos.py compute_policy_loss(cliprange=clip_ratio)"),
     "shuffle_minibatch": Rule(ACTOR, to("shuffle_minibatch"), f"{S_ACTOR} dataloader_kwargs shuffle"),
@@ -97,27 +97,27 @@ RULES: dict[str, Rule] = {
     "num_gpus_for_train": Rule(ACTOR, lambda t, r, g: None, "initialize.py TRAIN_SIZE + INFER_SIZE == actor pool"),
     "num_gpus_for_infer": Rule(ACTOR, lambda t, r, g: None, "initialize.py: the actor's inference group"),
     # the critic
-    "cliprange_value": Rule(("critic",), to("cliprange_value", convert=_cliprange_value), f"{S_CRITIC} loss_func"),
-    "critic_mini_batch_size": Rule(("critic",), _mini_batch("critic_mini_batch_size"), f"{S_CRITIC} (per rank)"),
+    "cliprange_value": Rule(("critic",), to("cliprange_value", convert=cliprange_or_none), f"{S_CRITIC} loss_func"),
+    "critic_mini_batch_size": Rule(("critic",), mini_batch("critic_mini_batch_size"), f"{S_CRITIC} (per rank)"),
     "critic_update_epochs": Rule(("critic",), to("critic_update_epochs"), f"{S_CRITIC} make_minibatch_iterator"),
     # every role
-    "load": Rule(ALL, _load, "Megatron load_checkpoint(args.load) in each worker"),
+    "load": Rule(ALL, load, "Megatron load_checkpoint(args.load) in each worker"),
     "micro_batch_size": Rule(ALL, to("micro_batch_size"), "forward_backward_batch: split by micro_batch_size"),
-    "bf16": Rule(ALL, _bf16, "Megatron --bf16 per role"),
+    "bf16": Rule(ALL, bf16, "Megatron --bf16 per role"),
     "fp16": Rule(
         ALL,
         same(bool, lambda v, t, r: not v, "not fp16", "fp16 with loss scaling is not available here: use bf16"),
         "Megatron --fp16",
     ),
-    "tensor_model_parallel_size": Rule(ALL, _parallel("tensor parallelism"), S_INIT),
-    "pipeline_model_parallel_size": Rule(ALL, _parallel("pipeline parallelism"), S_INIT),
-    "context_parallel_size": Rule(ALL, _parallel("context parallelism"), S_INIT),
-    "expert_model_parallel_size": Rule(ALL, _parallel("expert parallelism"), S_INIT),
+    "tensor_model_parallel_size": Rule(ALL, parallel("tensor parallelism"), S_INIT),
+    "pipeline_model_parallel_size": Rule(ALL, parallel("pipeline parallelism"), S_INIT),
+    "context_parallel_size": Rule(ALL, parallel("context parallelism"), S_INIT),
+    "expert_model_parallel_size": Rule(ALL, parallel("expert parallelism"), S_INIT),
     "sequence_parallel": Rule(
         ALL,
         same(
             bool,
-            lambda v, t, r: not v or _tp(t, r) == 1,
+            lambda v, t, r: not v or tp(t, r) == 1,
             "off (Megatron turns it off at tensor_model_parallel_size 1)",
             "sequence parallelism needs Megatron tensor parallelism: set it false",
         ),
@@ -147,11 +147,11 @@ RULES: dict[str, Rule] = {
     ),
     # the trained roles' optimizer and schedule
     "lr": Rule(TRAINED, to("learning_rate"), f"{S_SCHED}: max_lr=args.lr"),
-    "lr_decay_style": Rule(TRAINED, _decay, f"{S_SCHED}; Megatron default linear"),
+    "lr_decay_style": Rule(TRAINED, decay, f"{S_SCHED}; Megatron default linear"),
     "min_lr": Rule(TRAINED, no_effect("only a decaying schedule reaches it; constant keeps lr", float), S_SCHED),
     "lr_decay_iters": Rule(TRAINED, no_effect("only a decaying schedule uses it", int), S_SCHED),
-    "lr_warmup_fraction": Rule(TRAINED, _warmup, f"{S_SCHED}: fraction x train_iters x gbs samples"),
-    "lr_warmup_iters": Rule(TRAINED, _warmup, f"{S_SCHED}: lr_warmup_iters x gbs samples"),
+    "lr_warmup_fraction": Rule(TRAINED, warmup_name, f"{S_SCHED}: fraction x train_iters x gbs samples"),
+    "lr_warmup_iters": Rule(TRAINED, warmup_name, f"{S_SCHED}: lr_warmup_iters x gbs samples"),
     "lr_warmup_init": Rule(
         TRAINED,
         same(float, lambda v, t, r: v == 0, "warmup from 0, " + HERE, "warmup starts from 0 here: set 0.0"),
@@ -168,10 +168,10 @@ RULES: dict[str, Rule] = {
     "use_distributed_optimizer": Rule(
         TRAINED, no_effect("a role on N devices shards its optimizer state with FSDP2 here"), "Megatron"
     ),
-    "save": Rule(TRAINED, _save, "Megatron save_checkpoint(args.save) from ppo_trainer.py"),
+    "save": Rule(TRAINED, save, "Megatron save_checkpoint(args.save) from ppo_trainer.py"),
     "recompute_granularity": Rule(
         TRAINED,
-        lambda t, r, g: _recompute(t, r, g),
+        lambda t, r, g: recompute(t, r, g),
         "Megatron --recompute-granularity full: whole layers recomputed",
     ),
     "recompute_method": Rule(TRAINED, no_effect("every decoder layer is checkpointed here", str), "Megatron"),
@@ -183,6 +183,6 @@ RULES: dict[str, Rule] = {
         for name in ("initial_loss_scale", "loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis")
     },
     # model files: the architecture is the checkpoint's (config.json), checked; kernel choices
-    **{name: Rule(ALL, _architecture, "configs/rlxf/model/*.yaml -> Megatron model") for name in ARCHITECTURE},
+    **{name: Rule(ALL, architecture_name, "configs/rlxf/model/*.yaml -> Megatron model") for name in ARCHITECTURE},
     **{name: Rule(ALL, kernel, "Megatron / MindSpeed kernel choice") for name in KERNELS},
 }

@@ -23,7 +23,7 @@ def same(annotation: Any, ok: Callable[[Any, Translation, str], bool], meaning: 
     return apply
 
 
-def _parallel(name: str):
+def parallel(name: str):
     return same(
         int,
         lambda v, t, role: v == 1,
@@ -33,12 +33,12 @@ def _parallel(name: str):
     )
 
 
-def _tp(t: Translation, role: str) -> int:
+def tp(t: Translation, role: str) -> int:
     g = t.given(role, "tensor_model_parallel_size")
     return g.value if g is not None and isinstance(g.value, int) else 1
 
 
-def _decay(t: Translation, role: str, g: Given) -> None:
+def decay(t: Translation, role: str, g: Given) -> None:
     style = t.typed(g, str)
     if style != "constant":
         raise t.fail(
@@ -47,7 +47,7 @@ def _decay(t: Translation, role: str, g: Given) -> None:
         )
 
 
-def _split(t: Translation, role: str, g: Given) -> None:
+def split(t: Translation, role: str, g: Given) -> None:
     text = str(g.value)
     parts = [p.strip() for p in re.split(r"[,/]", text)]
     try:
@@ -58,14 +58,14 @@ def _split(t: Translation, role: str, g: Given) -> None:
         raise t.fail(g.where, f"{text!r}: PPO here trains on every prompt of the file and evaluates none: 100,0,0")
 
 
-def _stage(t: Translation, role: str, g: Given) -> None:
+def stage_name(t: Translation, role: str, g: Given) -> None:
     stage = t.typed(g, str)
     if stage != "ray_ppo":
         hint = " (GRPO: algorithm.adv_estimator grpo with n_samples_per_prompt >= 2)" if stage == "ray_grpo" else ""
         raise t.fail(g.where, f"{stage!r}: this reader runs MindSpeed's PPO (stage ray_ppo){hint}")
 
 
-def _recompute(t: Translation, role: str, g: Given) -> None:
+def recompute(t: Translation, role: str, g: Given) -> None:
     value = t.typed(g, str)
     if value != "full":
         raise t.fail(g.where, f"{value!r}: only full recomputation (every decoder layer) is available here")

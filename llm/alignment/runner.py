@@ -7,16 +7,22 @@ import logging
 import os
 
 from llm.data.pipeline import overlong_results
+from llm.settings.fingerprint import training_fingerprint
 from llm.settings.flat import DataArgument, TrainingArguments
 from llm.utils import preemption
-from llm.utils.checkpoints import begin_final, final_model_complete, finish_final
+from llm.utils.checkpoints import begin_final, final_model_complete, finish_final, latest_checkpoint
 from llm.utils.distributed import barrier
-from llm.utils.logging import resume_checkpoint
 from llm.utils.rundir import run_guard
 
 logger = logging.getLogger(__name__)
 
 TRAINER_STATE_NAME = "trainer_state.json"  # transformers.trainer's name for it (not imported: a heavy module)
+
+
+def resume_checkpoint(training_args: TrainingArguments) -> str | None:
+    value = training_args.resume_from_checkpoint
+    fingerprint = training_fingerprint(training_args) if value else None
+    return latest_checkpoint(value, training_args.output_dir, fingerprint)
 
 
 def output_dir_guard(data_args: DataArgument, training_args: TrainingArguments):
