@@ -13,11 +13,11 @@ import json
 from dataclasses import dataclass, field
 
 from llm.settings.dialects.mindspeed.files import load_yaml
-from llm.settings.dialects.openrlhf import LAUNCH_SCRIPT_EXTENSIONS, read_launch_script
 from llm.utils.errors import UserError
 from llm.utils.paths import resolve_input_path, tried
 
 JSON_EXTENSIONS = (".json",)
+LAUNCH_SCRIPT_EXTENSIONS = (".sh",)  # an OpenLLaMA2 / OpenRLHF launch script (dialects/openrlhf.py)
 YAML_EXTENSIONS = (".yaml", ".yml")
 
 
@@ -40,6 +40,8 @@ def read_config_file(path: str, script: str, extensions: tuple[str, ...], usage:
         raise UserError(usage)
     notes: list[str] = []
     if path.endswith(LAUNCH_SCRIPT_EXTENSIONS):
+        from llm.settings.dialects.openrlhf import read_launch_script  # read only when a launch script is given
+
         return ConfigFile(read_launch_script(path, script, notes), path, path, notes)
     found = resolve_input_path(path)
     if found is None:

@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 import transformers
 
-from llm.settings.shared import LoraFields
+from llm.settings.shared import LoraFields, OptimizerFields
 from llm.utils.distributed import Layout, has_accelerator, parse_layout
 from llm.utils.errors import UserError
 from llm.utils.rundir import check_output_dir
@@ -142,7 +142,7 @@ class DataArgument:
 
 
 @dataclass
-class TrainingArguments(transformers.TrainingArguments):
+class TrainingArguments(OptimizerFields, transformers.TrainingArguments):
     report_to: None | str | list[str] = field(
         default="tensorboard", metadata={"help": "Loggers: tensorboard (default), none, wandb, ..."}
     )
@@ -306,21 +306,18 @@ INPUT_PATHS = (
     "dev_dataset_path",
 )
 
-# Lower bounds of transformers' own fields (ours declare theirs as metadata {"min": ...}).
+# Lower bounds of transformers' own fields (ours, and the shared optimizer fields, declare theirs as metadata
+# {"min": ...}).
 TRAINING_BOUNDS = {
     "per_device_train_batch_size": 1,
     "per_device_eval_batch_size": 1,
     "gradient_accumulation_steps": 1,
-    "learning_rate": 0,
-    "weight_decay": 0,
     "warmup_steps": 0,
     "num_train_epochs": 0,
     "max_steps": -1,
     "logging_steps": 0,
     "save_steps": 0,
     "eval_steps": 0,
-    "max_grad_norm": 0,
-    "adam_epsilon": 0,
     "dataloader_num_workers": 0,
     "save_total_limit": 0,
     "seed": 0,

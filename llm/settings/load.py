@@ -18,9 +18,8 @@ from typing import Any
 from llm.settings import fields
 from llm.settings.command_line import Schema, merge, parse_overrides
 from llm.settings.dialects import mindspeed
-from llm.settings.dialects.openrlhf import LAUNCH_SCRIPT_EXTENSIONS
 from llm.settings.dialects.paddle import PADDLE_NAMES, translate
-from llm.settings.files import JSON_EXTENSIONS, YAML_EXTENSIONS, read_config_file
+from llm.settings.files import JSON_EXTENSIONS, LAUNCH_SCRIPT_EXTENSIONS, YAML_EXTENSIONS, read_config_file
 from llm.settings.flat import ARGUMENT_TYPES, INPUT_PATHS, TRAINING_BOUNDS, TrainingArguments
 from llm.settings.ppo import ROLES, SECTIONS, PPOConfig
 from llm.settings.ppo_validation import validate_ppo_config

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llm.settings.registry import ADV_ESTIMATORS
-from llm.settings.shared import LoraFields
+from llm.settings.shared import LoraFields, OptimizerFields, with_default
 from llm.utils.errors import UserError
 
 
@@ -40,17 +40,13 @@ def check_reward_url(url: str) -> None:
 
 
 @dataclass
-class TrainingSection:
-    """Shared defaults; each role section may override the optimisation fields and the micro-batch size."""
+class TrainingSection(OptimizerFields):
+    """Shared defaults; each role section may override the optimisation fields (``llm.settings.shared``) and the
+    micro-batch size."""
 
     output_dir: str = "output/ppo"
     seed: int = _f(42, low=0)
-    learning_rate: float = _f(1e-6, low=0)
-    weight_decay: float = _f(0.0, low=0)
-    adam_beta1: float = _f(0.9, low=0)
-    adam_beta2: float = _f(0.999, low=0)
-    adam_epsilon: float = _f(1e-8, low=0)
-    max_grad_norm: float = _f(1.0, "gradient clipping (global L2 norm); 0: none", low=0)
+    learning_rate: float = with_default(OptimizerFields, "learning_rate", 1e-6)
     lr_warmup_steps: int = _f(0, "linear warmup over this many optimizer steps, then a constant rate", low=0)
     max_steps: int = _f(100, low=1)
     logging_steps: int = _f(1, low=1)

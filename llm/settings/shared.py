@@ -1,21 +1,23 @@
 """Fields that mean the same in the flat scripts and in PPO's trained roles, declared once.
 
-LoRA with peft, PaddleNLP's names: ``ModelArgument`` (SFT, reward models, DPO) and PPO's actor and critic
-sections (``TrainedSection``) inherit ``LoraFields``; ``llm.utils.lora`` checks and applies them for both.
+- ``LoraFields`` (LoRA with peft, PaddleNLP's names): ``ModelArgument`` (SFT, reward models, DPO) and PPO's
+  actor and critic sections (``TrainedSection``); ``llm.utils.lora`` checks and applies them for both.
+- ``OptimizerFields`` (AdamW): the flat ``TrainingArguments`` (over transformers' own definitions, same
+  defaults) and PPO's ``training`` section (``learning_rate`` 1e-6 there: ``with_default``); a trained role
+  overrides each one with its own value (``TrainedSection``: null = the ``training`` value).
 
-The optimizer, precision, checkpoint and logging fields are not here: the flat scripts take them from
-``transformers.TrainingArguments`` (``learning_rate``, ``warmup_steps``, ``bf16`` with ``fp16_opt_level``,
-``save_steps``, ``report_to``, ...), PPO from its ``training`` section with per-role overrides, under the same
-names where the meaning is the same (``learning_rate``, ``weight_decay``, ``adam_beta1/2``, ``adam_epsilon``,
-``max_grad_norm``, ``seed``, ``max_steps``, ``output_dir``, ``overwrite_output_dir``, ``resume_from_checkpoint``,
-``save_steps``, ``save_total_limit``, ``logging_steps``, ``report_to``, ``disable_tqdm``,
-``gradient_checkpointing``); PPO's ``lr_warmup_steps`` and ``bf16`` (bf16 weights with fp32 master weights,
-the flat scripts' ``bf16`` + ``fp16_opt_level: O2``) keep the names of MindSpeed-LLM's files.
+Checkpoint and logging fields have the same names in both (``seed``, ``max_steps``, ``output_dir``,
+``overwrite_output_dir``, ``resume_from_checkpoint``, ``save_steps``, ``save_total_limit``, ``logging_steps``,
+``report_to``, ``disable_tqdm``) but not one definition: transformers types the step counts as floats (a
+fraction of the run) and PPO as whole numbers. Precision differs in meaning: the flat ``bf16`` autocasts
+unless ``fp16_opt_level`` is O2, PPO's ``training.bf16`` is always O2 (bf16 weights, fp32 master weights).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -55,3 +57,22 @@ class LoraFields:
             "checkpoint, to <output dir>/merged (PPO: <role dir>/merged); the output dir itself holds the adapter."
         },
     )
+
+
+@dataclass
+class OptimizerFields:
+    learning_rate: float = field(default=5e-5, metadata={"help": "AdamW learning rate (peak, after warmup).", "min": 0})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW decoupled weight decay.", "min": 0})
+    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1, in [0, 1).", "min": 0})
+    adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2, in [0, 1).", "min": 0})
+    adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon.", "min": 0})
+    max_grad_norm: float = field(
+        default=1.0, metadata={"help": "Gradient clipping (global L2 norm); 0: none.", "min": 0}
+    )
+
+
+def with_default(cls: type, name: str, default: Any) -> Any:
+    """Field ``name`` of dataclass ``cls`` (its help and bounds) with another default, for a schema whose
+    default differs (PPO's learning rate)."""
+    original = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return field(default=default, metadata=original.metadata)
