@@ -120,6 +120,23 @@ _PPO_EXCLUDED = {
     "resource_pool.*",
 }
 
+# PPO fields added after checkpoints of FINGERPRINT_VERSION 1 were written, with their defaults: at the default
+# they are left out, so an unchanged config keeps its fingerprint and its old checkpoints resume; set to anything
+# else they are fingerprinted as every other field.
+_ADDED_LATER = {
+    "actor_rollout.policy_loss": "vanilla",
+    "actor_rollout.clip_ratio_c": 3.0,
+    "actor_rollout.loss_agg_mode": "token-mean",
+    "actor_rollout.mask_truncated_completions": False,
+    "actor_rollout.async_rollout": False,
+    "actor_rollout.max_staleness": 1,
+    "algorithm.norm_adv_by_std_in_grpo": True,
+    "algorithm.filter_groups": False,
+    "algorithm.max_num_gen_batches": 10,
+    "reward.overlong_buffer_len": 0,
+    "reward.overlong_penalty_factor": 1.0,
+}
+
 # Fields whose value is a (comma-separated list of) data file(s) or directories: fingerprinted by content.
 _DATA_FIELDS = {"train_dataset_path", "data.train_dataset_path"}
 
@@ -240,6 +257,8 @@ def _section_values(prefix: str, section: Any, values: dict[str, Any]) -> None:
         if key in _PPO_EXCLUDED:
             continue
         value = getattr(section, f.name)
+        if key in _ADDED_LATER and value == _ADDED_LATER[key]:
+            continue
         if dataclasses.is_dataclass(value):
             _section_values(key, value, values)
         elif key in _DATA_FIELDS:

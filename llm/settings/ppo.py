@@ -135,6 +135,37 @@ class ActorRolloutSection(TrainedSection):
     clip_ratio_high: float | None = _f(None, low=0)
     shuffle_minibatch: bool = True
     entropy_coeff: float = _f(0.0, low=0)
+    policy_loss: str = _f(
+        "vanilla",
+        "the policy objective, a registered name (llm.settings.registry POLICY_LOSSES): vanilla (PPO's clipped "
+        "surrogate with clip_ratio_low / clip_ratio_high), dual_clip (also bounds the loss of a negative advantage "
+        "by clip_ratio_c x |A|; Ye et al. 2020), gspo (one sequence-level ratio, the geometric mean of the token "
+        "ratios, clipped; Zheng et al. 2025), cispo (the clipped ratio as a stop-gradient weight on A log p; "
+        "MiniMax-M1 2025)",
+    )
+    clip_ratio_c: float = _f(3.0, "dual_clip: a negative advantage's loss is at most clip_ratio_c x |A| (> 1)", low=0)
+    loss_agg_mode: str = _f(
+        "token-mean",
+        "how per-token losses make the loss (llm.settings.registry LOSS_AGG_MODES): token-mean (over every token of "
+        "the mini-batch; DAPO), seq-mean-token-mean (each response's token mean, then the mean over responses; the "
+        "original GRPO), seq-mean-token-sum (each response's token sum, then the mean), seq-mean-token-sum-norm "
+        "(the sum over tokens divided by responses x max_response_length, a constant; Dr. GRPO). Counts are the "
+        "whole mini-batch's, so micro-batches and ranks add up to one big batch",
+    )
+    mask_truncated_completions: bool = _f(
+        False,
+        "responses cut at max_response_length (no EOS) are left out of the policy loss (DAPO's overlong filtering; "
+        "TRL's name); they still count in the rollout's statistics",
+    )
+    async_rollout: bool = _f(
+        False,
+        "one-step-off training: the rollout of step n+1 runs on a separate copy of the actor while step n updates, "
+        "the copy taking the new weights after each update; old log-probs come from the policy that generated "
+        "(staleness bounded by max_staleness, logged)",
+    )
+    max_staleness: int = _f(
+        1, "async_rollout: how many updates a rollout's policy may lag behind (0: wait for each update, = sync)", low=0
+    )
     ignore_eos: bool = False  # generate max_response_length tokens regardless of EOS (benchmarks)
     gather_weights_for_generation: bool = field(
         default=True,
@@ -231,6 +262,14 @@ class RewardSection(FrozenModelSection):
     prm_aggregation: str = "dense"  # rewards.PRM_AGGREGATIONS: dense | min | last | mean
     normalize_reward: bool = False
     reward_clip: float | None = _f(None, low=0)
+    overlong_buffer_len: int = _f(
+        0,
+        "DAPO's soft overlong punishment: a response longer than max_response_length - overlong_buffer_len tokens "
+        "loses overlong_penalty_factor x (its excess / overlong_buffer_len) of reward, up to the whole factor at "
+        "max_response_length; 0: off",
+        low=0,
+    )
+    overlong_penalty_factor: float = _f(1.0, "the largest overlong punishment (at max_response_length)", low=0)
 
     def __post_init__(self) -> None:
         """What the lower bounds cannot say: the URL scheme and upper bounds (a run must not wait for ever)."""
@@ -260,6 +299,22 @@ class AlgorithmSection:
     kl_ctrl: KLCtrlSection = field(default_factory=KLCtrlSection)
     whiten_advantages: bool = True
     missing_eos_penalty: float | None = None
+    norm_adv_by_std_in_grpo: bool = _f(
+        True,
+        "grpo: divide each group's centred scores by their standard deviation; false: Dr. GRPO's unnormalised "
+        "advantage (Liu et al. 2025), r - mean(group)",
+    )
+    filter_groups: bool = _f(
+        False,
+        "DAPO's dynamic sampling: groups whose samples all have the same reward (advantage 0, no gradient) are "
+        "dropped and more prompts are generated until the batch is full (grouped estimators only)",
+    )
+    max_num_gen_batches: int = _f(
+        10,
+        "filter_groups: the most generation rounds per step (the first included); then the step trains on what it "
+        "has, logged",
+        low=1,
+    )
 
 
 @dataclass

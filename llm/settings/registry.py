@@ -104,6 +104,8 @@ KL_ESTIMATORS = Registry("algorithm.kl_penalty", PPO_ALGORITHM)  # name -> f(log
 KL_CONTROLLERS = Registry("algorithm.kl_ctrl.type", PPO_ALGORITHM)  # name -> f(kl_ctrl section) -> controller
 REWARD_TYPES = Registry("reward.type", PPO_REWARDS, sort_names=True)  # name -> RewardType
 PRM_AGGREGATIONS = Registry("reward.prm_aggregation", PPO_REWARDS)  # name -> f(step scores) or None (dense)
+POLICY_LOSSES = Registry("actor_rollout.policy_loss", "llm.alignment.ppo.objectives")  # name -> PolicyObjective
+LOSS_AGG_MODES = Registry("actor_rollout.loss_agg_mode", "llm.alignment.ppo.objectives")  # name -> aggregation
 DPO_LOSSES = Registry("loss_type", "llm.alignment.dpo.loss")  # name -> LossSpec
 
 # algorithm.kl_penalty also takes "full": the exact KL over the vocabulary (not a per-token estimator)
