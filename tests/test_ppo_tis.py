@@ -6,8 +6,9 @@ import math
 import pytest
 import torch
 
-from llm.alignment.ppo.algorithm import policy_loss, truncated_is_weights
+from llm.alignment.ppo.algorithm import truncated_is_weights
 from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
+from llm.alignment.ppo.objectives import policy_loss
 from llm.settings.load import parse_ppo_config
 from llm.utils.errors import UserError
 from tests.test_ppo_run import config

@@ -15,7 +15,16 @@ from llm.settings.ppo import (
     ResourcePool,
     shares_actor_base,
 )
-from llm.settings.registry import ADV_ESTIMATORS, KL_CONTROLLERS, PRM_AGGREGATIONS, kl_kinds, model_types, reward_type
+from llm.settings.registry import (
+    ADV_ESTIMATORS,
+    KL_CONTROLLERS,
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    PRM_AGGREGATIONS,
+    kl_kinds,
+    model_types,
+    reward_type,
+)
 from llm.utils.errors import UserError, closest
 from llm.utils.lora import check_lora_fields
 
@@ -35,6 +44,14 @@ def validate_ppo_config(c: PPOConfig, path: str) -> None:
                 f"{path}: algorithm.{name} must be one of {', '.join(valid)}, got {value!r} "
                 f"(closest: {closest(str(value), valid)})"
             )
+    POLICY_LOSSES.lookup(a.policy_loss, f"{path}: ")
+    LOSS_AGG_MODES.lookup(a.loss_agg_mode, f"{path}: ")
+    if a.policy_loss == "dual_clip" and a.clip_ratio_c <= 1:
+        raise UserError(
+            f"{path}: actor_rollout.clip_ratio_c must be > 1 with policy_loss dual_clip (it bounds a negative "
+            f"advantage's loss at clip_ratio_c x |A|, above the clipped surrogate's 1 - clip_ratio_low), got "
+            f"{a.clip_ratio_c:g}"
+        )
     kind = reward_type(c.reward.type, f"{path}: ")  # the registry (rewards/): an unknown type lists the valid ones
     if c.reward.prm_aggregation not in PRM_AGGREGATIONS:
         *most, last = PRM_AGGREGATIONS
@@ -99,6 +116,7 @@ def validate_ppo_config(c: PPOConfig, path: str) -> None:
     validate_resource_pool(c.resource_pool, path)
     validate_lora(c, path)
     validate_rollout_engine(c, path)
+    validate_dapo(c, path)
 
 
 ROLLOUT_ENGINES = ("hf", "vllm")
@@ -245,3 +263,32 @@ def validate_lora(c: PPOConfig, path: str) -> None:
             'adapter disabled, so it must run in the actor\'s process: add ["actor_rollout", "ref"] to '
             "resource_pool.colocate (with equal amounts), or give ref.model_name_or_path to load a separate reference"
         )
+
+
+def validate_dapo(c: PPOConfig, path: str) -> None:
+    """DAPO's dynamic sampling (``algorithm.filter_groups``) and overlong shaping (``reward.overlong_buffer_len``):
+    llm.alignment.ppo.dapo."""
+    a, alg, rw = c.actor_rollout, c.algorithm, c.reward
+    if alg.filter_groups:
+        grouped = [name for name, estimator in ADV_ESTIMATORS.items() if estimator.grouped]
+        if not ADV_ESTIMATORS[alg.adv_estimator].grouped:
+            raise UserError(
+                f"{path}: algorithm.filter_groups drops the groups of a prompt's samples whose rewards are all equal, "
+                f"which needs a grouped estimator; adv_estimator is {alg.adv_estimator!r}: set algorithm.adv_estimator "
+                f"to one of {', '.join(grouped)}, or filter_groups false"
+            )
+        if a.num_samples_per_step < 2:
+            raise UserError(
+                f"{path}: algorithm.filter_groups compares the samples of each prompt: it needs "
+                f"actor_rollout.num_samples_per_step >= 2, got {a.num_samples_per_step}"
+            )
+    elif alg.max_num_gen_batches != type(alg).max_num_gen_batches:  # set, but not read
+        logger.warning("%s: algorithm.max_num_gen_batches applies with algorithm.filter_groups true only", path)
+    if rw.overlong_buffer_len and rw.overlong_buffer_len >= a.max_response_length:
+        raise UserError(
+            f"{path}: reward.overlong_buffer_len={rw.overlong_buffer_len} must be less than "
+            f"actor_rollout.max_response_length={a.max_response_length} (the punishment starts at max_response_length "
+            "- overlong_buffer_len tokens): lower overlong_buffer_len, or 0 to turn the overlong punishment off"
+        )
+    if not rw.overlong_buffer_len and rw.overlong_penalty_factor != type(rw).overlong_penalty_factor:
+        logger.warning("%s: reward.overlong_penalty_factor applies with reward.overlong_buffer_len > 0 only", path)

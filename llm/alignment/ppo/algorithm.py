@@ -225,16 +225,22 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) 
     return out * mask
 
 
-def group_advantages(scores: torch.Tensor, group_size: int, kind: str, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(
+    scores: torch.Tensor, group_size: int, kind: str, eps: float = 1e-6, norm_by_std: bool = True
+) -> torch.Tensor:
     """Outcome advantages over groups of ``group_size`` samples of the same prompt (consecutive).
 
-    grpo (Shao et al. 2024): ``(r - mean_g) / (std_g + eps)`` (unbiased std, as DeepSeekMath code);
+    grpo (Shao et al. 2024): ``(r - mean_g) / (std_g + eps)`` (unbiased std, as DeepSeekMath code); with
+    ``norm_by_std`` false, Dr. GRPO's ``r - mean_g`` (Liu et al. 2025, "Understanding R1-Zero-Like Training");
     rloo (Ahmadian et al. 2024): ``r_i - mean_{j != i} r_j``.
     """
     grouped = scores.view(-1, group_size)
     if kind == "grpo":
+        centred = grouped - grouped.mean(dim=1, keepdim=True)
+        if not norm_by_std:
+            return centred.view(-1)
         std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.ones_like(grouped[:, :1])
-        return ((grouped - grouped.mean(dim=1, keepdim=True)) / (std + eps)).view(-1)
+        return (centred / (std + eps)).view(-1)
     if kind == "rloo":
         if group_size < 2:
             raise ValueError("rloo needs num_samples_per_step >= 2")
@@ -245,7 +251,7 @@ def group_advantages(scores: torch.Tensor, group_size: int, kind: str, eps: floa
 
 @dataclass(frozen=True)
 class AdvantageEstimator:
-    """An ``algorithm.adv_estimator``: ``estimate(rewards, values, mask, gamma, lam, group_size)`` ->
+    """An ``algorithm.adv_estimator``: ``estimate(rewards, values, mask, gamma, lam, group_size, **options)`` ->
     ``(advantages, returns or None)``, all ``(B, T)``; ``needs_critic``: it reads ``values`` (a critic is
     built and trained on ``returns``); ``grouped``: it compares the samples of one prompt (needs
     ``num_samples_per_step`` >= 2)."""
@@ -263,67 +269,25 @@ def register_adv_estimator(name: str, estimator: AdvantageEstimator) -> Advantag
 def _outcome_advantages(kind: str):
     """grpo / rloo: one outcome per sample (its score minus its summed KL), broadcast over its tokens."""
 
-    def estimate(rewards, values, mask, gamma, lam, group_size):
-        return group_advantages(rewards.sum(1), group_size, kind)[:, None] * mask, None
+    def estimate(rewards, values, mask, gamma, lam, group_size, norm_by_std: bool = True, **options):
+        return group_advantages(rewards.sum(1), group_size, kind, norm_by_std=norm_by_std)[:, None] * mask, None
 
     return estimate
 
 
 register_adv_estimator(
     "gae",
-    AdvantageEstimator(lambda r, v, m, gamma, lam, g: gae(r, v, m, gamma, lam), needs_critic=True),
+    AdvantageEstimator(lambda r, v, m, gamma, lam, g, **options: gae(r, v, m, gamma, lam), needs_critic=True),
 )
 register_adv_estimator("grpo", AdvantageEstimator(_outcome_advantages("grpo"), grouped=True))
 register_adv_estimator("rloo", AdvantageEstimator(_outcome_advantages("rloo"), grouped=True))
 register_adv_estimator(
-    "reinforce_plus_plus", AdvantageEstimator(lambda r, v, m, gamma, lam, g: (discounted_returns(r, m, gamma), None))
+    "reinforce_plus_plus",
+    AdvantageEstimator(lambda r, v, m, gamma, lam, g, **options: (discounted_returns(r, m, gamma), None)),
 )
 
 
-# --- losses -------------------------------------------------------------------------------------------
-@dataclass
-class PolicyLoss:
-    loss: torch.Tensor  # scalar, sum over tokens / normaliser
-    clipfrac: torch.Tensor
-    approx_kl: torch.Tensor
-    # sum of |per-token loss| / normaliser, no gradient: how large the surrogate's terms are, which ``loss`` hides
-    # when positive and negative advantages cancel (on-policy, ratio 1, ``loss`` is -mean(A): 0 after whitening)
-    abs_loss: torch.Tensor
-
-
-def policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
-    normaliser: torch.Tensor | float | None = None,
-    weights: torch.Tensor | None = None,
-) -> PolicyLoss:
-    """Clipped surrogate (Schulman et al. 2017, eq. 7) with separate low/high clip ranges (DAPO).
-
-    Per token ``max(-A r, -A clip(r, 1 - low, 1 + high))``, times ``weights`` when given (truncated importance
-    weights, ``truncated_is_weights``); summed over masked tokens and divided by ``normaliser`` (default: the
-    mask's token count), so micro-batches can share one global count. ``abs_loss`` is the same sum over
-    ``|per-token loss|`` (a statistic, detached).
-    """
-    log_ratio = logprobs - old_logprobs
-    ratio = log_ratio.exp()
-    loss1 = -advantages * ratio
-    loss2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    per_token = torch.maximum(loss1, loss2)
-    if weights is not None:
-        per_token = per_token * weights
-    denom = mask.sum().clamp_min(1) if normaliser is None else normaliser
-    return PolicyLoss(
-        loss=masked_sum(per_token, mask) / denom,
-        clipfrac=masked_mean((loss2 > loss1).float(), mask),
-        approx_kl=0.5 * masked_mean(log_ratio.square(), mask),
-        abs_loss=masked_sum(per_token.detach().abs(), mask) / denom,
-    )
-
-
+# --- losses (the policy objectives: objectives.py) ---------------------------------------------------
 def truncated_is_weights(
     logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, cap: float
 ) -> torch.Tensor:

@@ -44,7 +44,17 @@ def build_reward(c: PPOConfig, place: Place) -> RewardFunction:
 def policy_update(c: PPOConfig) -> PolicyUpdate:
     a, alg = c.actor_rollout, c.algorithm
     return PolicyUpdate(
-        a.ppo_mini_batch_size, c.clip_low, c.clip_high, a.entropy_coeff, alg.kl_loss_coef, alg.kl_penalty
+        a.ppo_mini_batch_size,
+        c.clip_low,
+        c.clip_high,
+        a.entropy_coeff,
+        alg.kl_loss_coef,
+        alg.kl_penalty,
+        policy_loss=a.policy_loss,
+        clip_c=a.clip_ratio_c,
+        loss_agg_mode=a.loss_agg_mode,
+        max_length=a.max_response_length,
+        mask_truncated=a.mask_truncated_completions,
     )
 
 

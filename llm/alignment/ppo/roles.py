@@ -26,9 +26,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from llm.alignment.lm import READOUT_CHUNK, chunked, full_weight
 from llm.alignment.ppo import generation
-from llm.alignment.ppo.algorithm import kl_estimate, policy_loss, token_stats, value_loss
+from llm.alignment.ppo.algorithm import kl_estimate, token_stats, value_loss
 from llm.alignment.ppo.engine import per_token, readout_tokens
 from llm.alignment.ppo.fsdp import FULL, GATHER, head_linear
+from llm.alignment.ppo.objectives import Counts, aggregate, policy_loss
 from llm.alignment.ppo.optim import TrainableRole
 from llm.alignment.ppo.records import PolicyBatch, Samples, UpdateStats, ValueBatch
 from llm.alignment.ppo.update import PolicyUpdate, ValueUpdate, run_update
@@ -197,11 +198,14 @@ class ActorRole(PolicyModel):
         # those log-probs (taken before the one optimizer step) are handed back as the rollout's
         seen = torch.zeros(batch.mask.shape) if batch.old_logprobs is None else None
 
-        def loss_fn(part: list[int], tokens: torch.Tensor):
+        # the loss mask: with mask_truncated, a response cut at max_response_length (no EOS) adds nothing
+        loss_mask = batch.mask * batch.samples.ended[:, None].to(batch.mask.dtype) if u.mask_truncated else batch.mask
+
+        def loss_fn(part: list[int], counts: Counts):
             logp, entropy = self._log_probs(batch.samples, part, with_entropy=True, entropy_grad=bool(u.entropy_coeff))
             T = logp.shape[1]
             dev = logp.device
-            m = batch.mask[part, :T].to(dev)
+            m = loss_mask[part, :T].to(dev)
             if seen is not None:
                 seen[part, :T] = logp.detach().float().cpu()
             out = policy_loss(
@@ -211,21 +215,26 @@ class ActorRole(PolicyModel):
                 m,
                 u.clip_low,
                 u.clip_high,
-                normaliser=tokens,
+                normaliser=counts.tokens,
                 weights=None if batch.is_weights is None else batch.is_weights[part, :T].to(dev),
+                objective=u.policy_loss,
+                agg_mode=u.loss_agg_mode,
+                sequences=counts.sequences,
+                max_length=u.max_length,
+                clip_c=u.clip_c,
             )
             loss = out.loss
-            ent = (entropy * m).sum() / tokens
+            ent = aggregate(u.loss_agg_mode, entropy, m, counts, u.max_length)
             if u.entropy_coeff:
                 loss = loss - u.entropy_coeff * ent
             kl_loss = torch.zeros(())
             if u.kl_loss_coef and batch.ref_logprobs is not None:
                 kl = kl_estimate(logp, batch.ref_logprobs[part, :T].to(dev), u.kl_penalty)
-                kl_loss = (kl * m).sum() / tokens
+                kl_loss = aggregate(u.loss_agg_mode, kl, m, counts, u.max_length)
                 loss = loss + u.kl_loss_coef * kl_loss
 
             def stats() -> dict[str, float]:
-                share = m.sum() / tokens
+                share = m.sum() / counts.tokens
                 return {
                     "policy_loss": out.loss.item(),
                     "abs_policy_loss": out.abs_loss.item(),  # normalised by the mini-batch's tokens, as the loss
@@ -237,7 +246,7 @@ class ActorRole(PolicyModel):
 
             return loss, stats
 
-        steps, epochs = run_update(self, batch.mask, orders, u.mini_batch_size, self.NAMES, loss_fn)
+        steps, epochs = run_update(self, loss_mask, orders, u.mini_batch_size, self.NAMES, loss_fn)
         metrics = {k: sum(t[k] for t in steps) / len(steps) for k in self.NAMES} if steps else {}
         return UpdateStats(metrics, [(e, t["policy_loss"]) for e, t in zip(epochs, steps)], seen)
 
@@ -305,7 +314,8 @@ class CriticRole(ValueModel):
         """``update.run_update`` as ``ActorRole.update``, on ``value_loss_coef`` x the clipped value loss."""
         u = self.settings
 
-        def loss_fn(part: list[int], tokens: torch.Tensor):
+        def loss_fn(part: list[int], counts: Counts):
+            tokens = counts.tokens
             v = self._values(batch.samples, part)
             T = v.shape[1]
             dev = v.device

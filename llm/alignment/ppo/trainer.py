@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,6 +31,7 @@ from llm.alignment.ppo.algorithm import (
     token_rewards,
     truncated_is_weights,
 )
+from llm.alignment.ppo.dapo import DAPO
 from llm.alignment.ppo.prompts import Prompt, make_samples
 from llm.alignment.ppo.records import (
     Actor,
@@ -77,6 +77,7 @@ class PPOTrainer:
         self.last_checkpoint: str | None = None
         self.kl_ctl = KL_CONTROLLERS[config.algorithm.kl_ctrl.type](config.algorithm.kl_ctrl)
         self.moments = RunningMoments()
+        self.dapo = DAPO(config)  # DAPO's overlong shaping and dynamic sampling (dapo.py)
         self.step = 0
         self.history: list[dict] = []  # per mini-batch losses, for tests and debugging
         self.log_history: list[dict] = []
@@ -109,20 +110,9 @@ class PPOTrainer:
 
     # --- phase 0: which prompts --------------------------------------------------------------
     def prompt_indices(self, step: int) -> list[int]:
-        """Prompts of ``step``: a fresh seeded permutation per pass over the data, so the order only
-        depends on the step number (a resumed run sees exactly the prompts it would have seen)."""
-        n, size = len(self.prompts), self.c.data.rollout_batch_size
-        out = []
-        position = step * size
-        while len(out) < size:
-            epoch, offset = divmod(position, n)
-            order = list(range(n))
-            if self.c.data.shuffle:  # false: in file order (MindSpeed's no_shuffle)
-                random.Random(self.c.training.seed + epoch).shuffle(order)
-            take = min(size - len(out), n - offset)
-            out += order[offset : offset + take]
-            position += take
-        return out
+        """Prompts of ``step``: a fresh seeded permutation per pass over the data, so the order only depends on the
+        step number and the prompts DAPO's extra rounds drew, which are saved (``dapo.prompt_stream``)."""
+        return self.dapo.prompt_indices(len(self.prompts), step)
 
     # --- phase 1: rollout --------------------------------------------------------------------
     def rollout(self, indices: list[int]) -> tuple[Samples, torch.Tensor | None]:
@@ -140,7 +130,7 @@ class PPOTrainer:
             top_p=a.top_p,
             top_k=a.top_k,
             ignore_eos=a.ignore_eos,
-            seed=self.c.training.seed * 1_000_003 + self.step,  # sampling depends on the step only
+            seed=self.c.training.seed * 1_000_003 + self.step + self.dapo.seed_shift,  # the step and DAPO round only
             with_log_probs=reuse,
         )
         responses, logprobs = out if reuse else (out, None)
@@ -193,8 +183,9 @@ class PPOTrainer:
             logprobs, ref_logprobs, values, out = self.together((self.actor, actor), (self.ref, ref), *rest)
             kl = self.kl(logprobs, ref_logprobs, mask)
         raw = out.scores.clone()
+        punished = self.dapo.punish(out.scores, samples)  # DAPO's overlong punishment, before the rest (dapo.py)
         scores = shape_scores(
-            out.scores, samples.ended, self.moments, alg.missing_eos_penalty, rw.normalize_reward, rw.reward_clip
+            punished, samples.ended, self.moments, alg.missing_eos_penalty, rw.normalize_reward, rw.reward_clip
         )
         return Scored(samples, mask, logprobs, ref_logprobs, values, kl * mask, scores, raw, out.dense)
 
@@ -211,9 +202,8 @@ class PPOTrainer:
         kl_coef = self.kl_ctl.value if alg.use_kl_in_reward else 0.0
         rewards = token_rewards(s.kl, s.scores, mask, kl_coef, s.dense)
         estimator = ADV_ESTIMATORS[alg.adv_estimator]
-        adv, returns = estimator.estimate(
-            rewards, s.values, mask, alg.gamma, alg.lam, self.c.actor_rollout.num_samples_per_step
-        )
+        group, std = self.c.actor_rollout.num_samples_per_step, alg.norm_adv_by_std_in_grpo
+        adv, returns = estimator.estimate(rewards, s.values, mask, alg.gamma, alg.lam, group, norm_by_std=std)
         if alg.whiten_advantages:
             adv = masked_whiten(adv, mask)
         return Experience(s, rewards, adv * mask, returns)
@@ -254,6 +244,10 @@ class PPOTrainer:
             samples, rollout_logprobs = self.make_samples([self.prompts[i] for i in indices], responses), None
         t1 = time.perf_counter()
         scored = self.score(samples, rollout_logprobs if self.reuses_rollout_log_probs else None)
+        if self.dapo.filter_groups:  # DAPO's dynamic sampling (dapo.py): all-equal groups out, more prompts in
+            scored, rollout_logprobs, skipped = self.dapo.refill(self, scored, rollout_logprobs, t0)
+            if skipped is not None:
+                return skipped
         correction = {}
         if rollout_logprobs is not None and not self.reuses_rollout_log_probs:  # rollout_is_cap
             m = scored.mask
@@ -304,6 +298,7 @@ class PPOTrainer:
             "advantage_mean": masked_mean(exp.advantages, mask).item(),
             **stats,
             **correction,
+            **self.dapo.metrics(scored),
             **timings,
         }
         if scored.dense is not None:
@@ -418,6 +413,7 @@ class PPOTrainer:
             "kl_coef": self.kl_ctl.value,
             "moments": (self.moments.mean, self.moments.var, self.moments.count),
             "log_history": self.log_history,
+            "dapo": self.dapo.state(),
         }
         save_tree(partial, "trainer_state", state)
         finish_checkpoint(partial, final, self.step, self.run_fingerprint)
@@ -493,5 +489,6 @@ class PPOTrainer:
         self.kl_ctl.value = kl_coef
         self.moments.mean, self.moments.var, self.moments.count = mean, var, count
         self.log_history = log_history
+        self.dapo.load_state(state)
         self.last_checkpoint = directory
         logger.info("resumed from %s at step %d", directory, self.step)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from llm.alignment.ppo.fsdp import rank_world
+from llm.alignment.ppo.objectives import Counts
 from llm.utils.distributed import share, sum_over_ranks, with_spares
 
 
@@ -31,6 +32,11 @@ class PolicyUpdate:
     entropy_coeff: float = 0.0
     kl_loss_coef: float = 0.0  # > 0: KL to the reference as a loss term (needs PolicyBatch.ref_logprobs)
     kl_penalty: str = "kl"  # the estimator of that loss term
+    policy_loss: str = "vanilla"  # objectives.py: vanilla | dual_clip | gspo | cispo
+    clip_c: float = 3.0  # dual_clip
+    loss_agg_mode: str = "token-mean"  # objectives.py: the policy, entropy and KL terms alike
+    max_length: int = 1  # seq-mean-token-sum-norm's constant: max_response_length
+    mask_truncated: bool = False  # responses without EOS left out of the loss
 
 
 @dataclass(frozen=True)
@@ -42,10 +48,10 @@ class ValueUpdate:
     value_loss_coef: float = 1.0
 
 
-# loss_fn(part, tokens) -> (loss to backpropagate, stats): ``part`` the sample indices of one micro-batch,
-# ``tokens`` the mini-batch's token count; ``stats()`` (called after the backward, not for spares) gives
-# that micro-batch's contributions to the step's sums.
-LossFn = Callable[[list[int], torch.Tensor], tuple[torch.Tensor, Callable[[], dict[str, float]]]]
+# loss_fn(part, counts) -> (loss to backpropagate, stats): ``part`` the sample indices of one micro-batch,
+# ``counts`` the mini-batch's masked tokens and samples (objectives.Counts); ``stats()`` (called after the
+# backward, not for spares) gives that micro-batch's contributions to the step's sums.
+LossFn = Callable[[list[int], Counts], tuple[torch.Tensor, Callable[[], dict[str, float]]]]
 
 
 def chunks(items: list[int], size: int) -> list[list[int]]:
@@ -87,10 +93,10 @@ def run_update(
     role.model.train()
     for epoch, order in enumerate(orders):
         for mb in chunks(order, mini_batch_size):
-            tokens = mask[mb].sum()
+            counts = Counts(mask[mb].sum().clamp_min(1), len(mb))
             totals = dict.fromkeys(names, 0.0)
             for part, spare in update_shares(mb, role.micro_batch_size):
-                loss, stats = loss_fn(part, tokens)
+                loss, stats = loss_fn(part, counts)
                 if spare:  # this rank's share ran out: a zero-weighted backward keeps the group in step
                     (loss * 0).backward()
                     continue
