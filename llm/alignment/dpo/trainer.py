@@ -20,7 +20,7 @@ import torch
 
 from llm.alignment.dpo.loss import PairLogProbs, loss_spec, mean_nll, preference_loss
 from llm.alignment.lm import READOUT_CHUNK, check_packed_attention, per_example_sums, token_log_probs
-from llm.alignment.trainer import AlignmentTrainer, ItemOutputs, _gather_objects
+from llm.alignment.trainer import AlignmentTrainer, ItemOutputs, gather_objects
 from llm.data.packing import PackedBatch, PackedRow, collate
 from llm.data.tokenize_lm import CHOSEN, PROMPT, REJECTED
 from llm.utils.distributed import with_spares
@@ -215,7 +215,7 @@ class DPOTrainer(AlignmentTrainer):
                     n = len(row.records)
                     done.append((start + i, c[first : first + n], r[first : first + n]))
         model.train(was_training)
-        by_row = {i: (c, r) for i, c, r in _gather_objects(done)}
+        by_row = {i: (c, r) for i, c, r in gather_objects(done)}
         return [
             ReferencedRow(**row.__dict__, ref_chosen=by_row[i][0], ref_rejected=by_row[i][1])
             for i, row in enumerate(rows)

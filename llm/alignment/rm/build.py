@@ -17,7 +17,7 @@ from llm.data.readers import PRMRecord
 from llm.data.tokenize import (
     EncodeConfig,
     OverlongCounter,
-    _fit_prompt,
+    fit_prompt,
     add_placeholder_token,
     encode_pair_for_scores,
     encode_prm,
@@ -70,7 +70,7 @@ def encode_orm_candidate(
         full_prompt = render_prompt(record.prompt, tokenizer, cfg.use_chat_template)
     else:
         full_prompt = start_ids(tokenizer)
-    prompt = _fit_prompt(full_prompt, cfg)
+    prompt = fit_prompt(full_prompt, cfg)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     answer = tokenizer(orm_candidate_text(record.steps), add_special_tokens=False)["input_ids"] + eos
     if prompt is None:
