@@ -19,7 +19,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from llm.settings.dpo import DPO_ARGUMENT_TYPES
+from llm.settings.dpo import DPO_ARGUMENT_TYPES, DPOTrainingArguments
 from llm.alignment.dpo.build import build_dpo_trainer
 from llm.alignment.dpo.loss import LOSSES
 from llm.alignment.dpo.trainer import DPOTrainer, collate_pairs
@@ -36,7 +36,6 @@ from llm.run_reward import main as reward_main
 from llm.settings.flat import (
     ARGUMENT_TYPES,
     ModelArgument,
-    TrainingArguments,
     parse_arguments,
     validate_arguments,
 )
@@ -253,13 +252,17 @@ def dpo_setup(tmp_path_factory):
 
 
 def dpo_trainer(setup, loss_type, ref_model):
-    args = TrainingArguments(
-        output_dir=str(setup.tmp), report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True
+    args = DPOTrainingArguments(
+        output_dir=str(setup.tmp),
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        loss_type=loss_type,
+        beta=0.5,
     )
     collator = lambda r: collate_pairs(r, pad_token_id=setup.tok.pad_token_id)
-    return DPOTrainer(
-        model=setup.policy, args=args, loss_type=loss_type, ref_model=ref_model, data_collator=collator, beta=0.5
-    )
+    return DPOTrainer(model=setup.policy, args=args, ref_model=ref_model, data_collator=collator)
 
 
 REFERENCE_LOSSES = [name for name, spec in LOSSES.items() if spec.needs_reference]

@@ -30,7 +30,14 @@ logger = logging.getLogger(__name__)
 class CheckpointMixin:
     """Atomic, pickle-free checkpoints for a ``transformers.Trainer`` subclass (see the module docstring)."""
 
+    model_args = None  # the run's ModelArgument (``lora_merge``), set by the trainer
     _save_training_state = True  # optimizer, scheduler and RNG state in checkpoints (not save_only_model)
+
+    @property
+    def lora_merge(self) -> bool:
+        """LoRA (``llm.utils.lora``): the final ``save_model`` also writes ``output_dir/merged``, the base with the
+        adapter merged in (the model argument ``lora_merge``)."""
+        return bool(self.model_args is not None and self.model_args.lora_merge)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         # Inside checkpoints the Hugging Face copy of the model is optional (unified_checkpoint); the final
@@ -40,7 +47,7 @@ class CheckpointMixin:
         super().save_model(output_dir, _internal_call)
         # LoRA (llm.utils.lora): output_dir holds the PEFT adapter; lora_merge adds the merged model to
         # output_dir/merged
-        if not _internal_call and getattr(self, "lora_merge", False) and self.args.should_save:
+        if not _internal_call and self.lora_merge and self.args.should_save:
             from llm.utils.lora import save_merged
 
             save_merged(self.model, output_dir or self.args.output_dir, self.processing_class)

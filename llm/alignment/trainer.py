@@ -11,7 +11,8 @@ What it adds to ``Trainer``:
 - mixed precision (``llm.utils.precision``): every ``forward_items`` (training, evaluation, DPO's
   reference and precomputed log-probs) runs under the same bf16/fp16 autocast, and AdamW keeps fp32
   master weights of O2's half-precision weights (``MasterWeightAdamW``).
-Subclasses implement ``forward_items``, ``count_items``, ``example_outputs`` and ``metrics``.
+Subclasses implement ``forward_items``, ``count_items``, ``example_outputs`` and ``metrics``, and read their
+hyper-parameters from ``self.args`` (the run's training arguments) and ``self.model_args``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from transformers import Trainer
 
 from llm.alignment.checkpointing import CheckpointMixin
 from llm.data.packing import PackedBatch
+from llm.settings.flat import ModelArgument
 from llm.utils.distributed import tensor_parallel_on_cpu
 from llm.utils.errors import UserError
 from llm.utils.precision import LossScaler, MasterWeightAdamW
@@ -83,8 +85,12 @@ def gather_objects(obj: list) -> list:
 
 
 class AlignmentTrainer(CheckpointMixin, Trainer):
-    def __init__(self, *args, **kwargs) -> None:
+    """``Trainer`` keywords, plus ``model_args``: the run's model arguments (``lora_merge``, a reward model's
+    ``reward_tokens``); None for a trainer built without them (tests), which reads their defaults."""
+
+    def __init__(self, *args, model_args: ModelArgument | None = None, **kwargs) -> None:
         training_args = kwargs["args"]
+        self.model_args = model_args
         self.layout = training_args.layout
         # Optimizer state, scheduler and RNG go into the sharded checkpoint written by CheckpointMixin._save_checkpoint,
         # for every layout; transformers only saves the model (it refuses to checkpoint the optimizer of a model
