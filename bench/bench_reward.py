@@ -388,7 +388,7 @@ def prepare(args, workdir: str) -> dict:
 
 def prepare_data(args, workdir: str, tokenizer, model_argument) -> dict:
     """Data subsets and the examples per packed row (for --trl-batch auto)."""
-    from llm.alignment.rm.build import build_reward_data
+    from llm.alignment.rm.data import build_reward_data
     from llm.settings.flat import DataArgument
 
     info = {}

@@ -33,6 +33,17 @@ def twin(model, attn):
     return other
 
 
+def reward_trainer(process_reward: bool, reward_token_ids=None, **kwargs):
+    """The reward trainer ``build_reward_trainer`` picks: a ``PRMTrainer`` (reading ``reward_token_ids``) or an
+    ``ORMTrainer``, built from ``Trainer`` keywords."""
+    from llm.alignment.rm.orm_trainer import ORMTrainer
+    from llm.alignment.rm.prm_trainer import PRMTrainer
+
+    if process_reward:
+        return PRMTrainer(reward_token_ids=reward_token_ids, **kwargs)
+    return ORMTrainer(**kwargs)
+
+
 def ppo_config_file(tmp_path, source: str, name: str, *layers: dict) -> str:
     """A copy of the PPO config ``source`` in ``tmp_path`` (``<name>_<n>.json``) with its repository paths made
     absolute, output in ``tmp_path/out``, no reports, no checkpoints, then each of ``layers`` (``{section:

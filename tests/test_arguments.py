@@ -380,18 +380,20 @@ def test_missing_config_names_the_places_tried(tmp_path, monkeypatch):
 
 
 def test_metric_for_best_model_is_checked_against_the_trainer(tmp_path):
-    from llm.alignment.rm.trainer import RewardTrainer
+    from llm.alignment.rm.orm_trainer import ORMTrainer
+    from llm.alignment.rm.prm_trainer import PRMTrainer
 
     class Args:
         metric_for_best_model = "eval_acuracy"
 
-    trainer = RewardTrainer.__new__(RewardTrainer)
-    trainer.args, trainer.process_reward = Args(), False
-    with pytest.raises(UserError, match=r"'eval_acuracy' is not a metric of RewardTrainer; it reports loss, accuracy"):
+    trainer = ORMTrainer.__new__(ORMTrainer)
+    trainer.args = Args()
+    with pytest.raises(UserError, match=r"'eval_acuracy' is not a metric of ORMTrainer; it reports loss, accuracy"):
         trainer.check_metric_for_best_model()
     Args.metric_for_best_model = "accuracy"
     trainer.check_metric_for_best_model()
-    trainer.process_reward = True
+    trainer = PRMTrainer.__new__(PRMTrainer)
+    trainer.args = Args()
     with pytest.raises(UserError, match="step_accuracy"):
         trainer.check_metric_for_best_model()
 

@@ -25,7 +25,7 @@ from llm.data.packing import pack
 from llm.data.readers import read_records
 from llm.data.tokenize import EncodeConfig, OverlongCounter
 from llm.data.tokenize_lm import CHOSEN, PROMPT, REJECTED, encode_pair_for_lm
-from llm.settings.flat import TrainingArguments
+from llm.settings.dpo import DPOTrainingArguments
 from tests.helpers import ROOT, tiny_model, tokenizer, twin
 
 PAIRS = os.path.join(ROOT, "llm", "data", "sample", "pairs_train.jsonl")
@@ -44,7 +44,7 @@ def args(tmp_path, **kw):
         "dataloader_num_workers": 0,
     }
     base.update(kw)
-    return TrainingArguments(**base)
+    return DPOTrainingArguments(**base)  # the DPO hyper-parameters (loss_type, beta, ...) ride in kw
 
 
 # --- pure math, values derived by hand ----------------------------------------------------------
@@ -152,7 +152,7 @@ def setup(tmp_path_factory):
 def ours(setup, loss_type="sigmoid", examples=None, **kw):
     """Per-pair loss and outputs in record order, from one packed batch (greedy packing into 2 rows)."""
     trainer = DPOTrainer(
-        model=setup.policy, args=args(setup.tmp / "ours"), loss_type=loss_type, ref_model=setup.ref, **kw
+        model=setup.policy, args=args(setup.tmp / "ours", loss_type=loss_type, **kw), ref_model=setup.ref
     )
     examples = examples if examples is not None else setup.examples
     rows, _ = pack(examples, 700, "greedy")
@@ -351,12 +351,12 @@ def one_sgd_step(tmp_path, rows, batch_size, accumulation, loss_type, **kw):
             lr_scheduler_type="constant",
             warmup_steps=0,
             weight_decay=0.0,
+            loss_type=loss_type,
+            **kw,
         ),
         train_dataset=rows,
         data_collator=lambda r: collate_pairs(r, pad_token_id=0),
-        loss_type=loss_type,
         ref_model=tiny_model("llama", seed=4),
-        **kw,
     )
     trainer.train()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -33,8 +33,8 @@ from llm.run_dpo import main as dpo_main
 from llm.run_finetune import main as sft_main
 from llm.run_reward import main as reward_main
 from llm.settings.dialects.paddle import PADDLE_REWARD_NAMES
-from llm.settings.dpo import DPO_ARGUMENT_TYPES
-from llm.settings.flat import ARGUMENT_TYPES, ModelArgument, TrainingArguments, validate_arguments
+from llm.settings.dpo import DPO_ARGUMENT_TYPES, DPOTrainingArguments
+from llm.settings.flat import ARGUMENT_TYPES, ModelArgument, validate_arguments
 from llm.settings.load import parse_arguments
 from llm.settings.reward import REWARD_ARGUMENT_TYPES
 from llm.utils.distributed import Layout
@@ -248,13 +248,17 @@ def dpo_setup(tmp_path_factory):
 
 
 def dpo_trainer(setup, loss_type, ref_model):
-    args = TrainingArguments(
-        output_dir=str(setup.tmp), report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True
+    args = DPOTrainingArguments(
+        output_dir=str(setup.tmp),
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        loss_type=loss_type,
+        beta=0.5,
     )
     collator = lambda r: collate_pairs(r, pad_token_id=setup.tok.pad_token_id)
-    return DPOTrainer(
-        model=setup.policy, args=args, loss_type=loss_type, ref_model=ref_model, data_collator=collator, beta=0.5
-    )
+    return DPOTrainer(model=setup.policy, args=args, ref_model=ref_model, data_collator=collator)
 
 
 REFERENCE_LOSSES = [name for name, spec in LOSSES.items() if spec.needs_reference]

@@ -250,8 +250,8 @@ def test_candidates_in_the_training_file_of_an_orm_stop_the_run(tmp_path, capsys
 def test_candidate_encoding_with_and_without_a_separate_question(tmp_path):
     """With a question: the ids of a pair's [prompt | chosen + eos] with chosen = "\\n".join(steps), one readout
     at its last token. Math-Shepherd layout (the question starts the first step): BOS + the joined steps + EOS."""
-    from llm.alignment.rm.build import CANDIDATE as CANDIDATE_PART
-    from llm.alignment.rm.build import encode_orm_candidate
+    from llm.alignment.rm.data import CANDIDATE as CANDIDATE_PART
+    from llm.alignment.rm.data import encode_orm_candidate
     from llm.data.readers import PairRecord, read_records
     from llm.data.tokenize import EncodeConfig, OverlongCounter, encode_pair_for_scores
     from llm.utils.modeling import load_tokenizer

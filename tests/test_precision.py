@@ -38,18 +38,19 @@ from llm.alignment.ppo.offload import OffloadedTrainableRole
 from llm.alignment.ppo.optim import TrainableRole
 from llm.alignment.ppo.records import PolicyBatch, ValueBatch
 from llm.alignment.rm.build import build_reward_model
-from llm.alignment.rm.trainer import RewardTrainer
+from llm.alignment.rm.prm_trainer import PRMTrainer
 from llm.alignment.sft.trainer import SFTTrainer
 from llm.data.packing import collate, pack
 from llm.data.readers import iter_records
 from llm.data.tokenize import EncodeConfig, OverlongCounter, encode_pair_for_scores, encode_prm
 from llm.data.tokenize_lm import encode_pair_for_lm, encode_sft
+from llm.settings.dpo import DPOTrainingArguments
 from llm.settings.flat import ModelArgument
 from llm.settings.load import parse_ppo_config
 from llm.settings.reward import RewardModelArgument, RewardTrainingArguments
 from llm.utils.errors import UserError
 from llm.utils.precision import MasterWeightAdamW
-from tests.helpers import ROOT, tiny_model, tokenizer
+from tests.helpers import ROOT, reward_trainer, tiny_model, tokenizer
 from tests.test_ppo_memory import fixed_samples
 from tests.test_ppo_run import config as ppo_config
 
@@ -62,7 +63,7 @@ LOSS_TOL = 2 * 3.5 * U * 1.0  # 2 x sqrt(12) u x L with L = 1: see the module do
 PRECISIONS = {"fp32": {}, "O1": {"bf16": True, "fp16_opt_level": "O1"}, "O2": {"bf16": True, "fp16_opt_level": "O2"}}
 
 
-def training_args(tmp_path, precision: str, **kw) -> RewardTrainingArguments:
+def training_args(tmp_path, precision: str, arguments=RewardTrainingArguments, **kw) -> RewardTrainingArguments:
     base = {
         "output_dir": str(tmp_path / precision),
         "report_to": "none",
@@ -79,7 +80,7 @@ def training_args(tmp_path, precision: str, **kw) -> RewardTrainingArguments:
         **PRECISIONS.get(precision, {}),
     }
     base.update(kw)
-    return RewardTrainingArguments(**base)  # the shared TrainingArguments plus the reward fields
+    return arguments(**base)  # the shared TrainingArguments plus the reward fields (DPO's: DPOTrainingArguments)
 
 
 def records(path, kind, n):
@@ -144,12 +145,12 @@ def test_reward_model_bf16_o1_o2_close_to_fp32(tmp_path, process_reward):
     for precision in PRECISIONS:
         args = training_args(tmp_path, precision, process_reward=process_reward)
         model, ids = build_reward_model(model_args, args, tok)
-        trainer = RewardTrainer(
+        trainer = reward_trainer(
+            process_reward,
             model=model,
             args=args,
             train_dataset=rows,
             data_collator=lambda r: collate(r, pad_token_id=tok.pad_token_id),
-            process_reward=process_reward,
             reward_token_ids=ids,
         )
         trainer.train()
@@ -300,7 +301,7 @@ def test_dpo_bf16_o1_o2_close_to_fp32_with_the_reference_in_the_same_precision(t
     rows, _ = pack(examples, 512, "greedy")
     runs = {}
     for precision in PRECISIONS:
-        args = training_args(tmp_path, precision)
+        args = training_args(tmp_path, precision, DPOTrainingArguments)
         model = load_causal_lm(TINY_LLAMA, args, tok, init_from_config=True)
         ref = load_causal_lm(TINY_LLAMA, args, tok, init_from_config=True)
         trainer = DPOTrainer(
@@ -331,12 +332,11 @@ def test_o2_resume_keeps_the_fp32_masters(tmp_path):
         args = training_args(tmp_path, "O2", output_dir=str(out), process_reward=True, max_steps=4)
         args.save_strategy, args.save_steps = "steps", 2  # HF derives its save settings at construction
         model, ids = build_reward_model(model_args, args, tok)
-        trainer = RewardTrainer(
+        trainer = PRMTrainer(
             model=model,
             args=args,
             train_dataset=rows,
             data_collator=lambda r: collate(r, pad_token_id=tok.pad_token_id),
-            process_reward=True,
             reward_token_ids=ids,
         )
         trainer.train(resume_from_checkpoint=resume)

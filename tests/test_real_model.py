@@ -472,7 +472,7 @@ def test_orm_loss_equals_trl_reward_trainer(tmp_path, tok, scorer):
     from trl import RewardConfig
     from trl import RewardTrainer as TRLRewardTrainer
 
-    from llm.alignment.rm.trainer import RewardTrainer
+    from llm.alignment.rm.orm_trainer import ORMTrainer
     from llm.data.packing import collate, pack
     from llm.data.tokenize import OverlongCounter, encode_pair_for_scores
     from llm.settings.reward import RewardTrainingArguments
@@ -481,7 +481,7 @@ def test_orm_loss_equals_trl_reward_trainer(tmp_path, tok, scorer):
     examples = [encode_pair_for_scores(r, tok, cfg, i, OverlongCounter()) for i, r in enumerate(records)]
     ours_model = packed_twin(scorer)
     args = RewardTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, save_strategy="no")
-    trainer = RewardTrainer(model=ours_model, args=args, process_reward=False)
+    trainer = ORMTrainer(model=ours_model, args=args)
     rows, _ = pack(examples, 1024, "greedy")
     assert len(rows) == 1  # all four pairs in one packed row
     batch = collate(rows, pad_token_id=tok.pad_token_id)
@@ -519,7 +519,7 @@ def test_dpo_loss_equals_trl_dpo_trainer(tmp_path, tok, causal):
     from llm.data.packing import pack
     from llm.data.tokenize import OverlongCounter
     from llm.data.tokenize_lm import encode_pair_for_lm
-    from llm.settings.flat import TrainingArguments
+    from llm.settings.dpo import DPOTrainingArguments
 
     records, cfg = pairs(tok, 2)
     examples = [encode_pair_for_lm(r, tok, cfg, i, OverlongCounter()) for i, r in enumerate(records)]
@@ -527,8 +527,10 @@ def test_dpo_loss_equals_trl_dpo_trainer(tmp_path, tok, causal):
     with torch.no_grad():
         policy.model.norm.weight.mul_(1.1)
     ours_policy, ours_ref = packed_twin(policy), packed_twin(causal)
-    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, save_strategy="no")
-    trainer = DPOTrainer(model=ours_policy, args=args, loss_type="sigmoid", ref_model=ours_ref, beta=0.1)
+    args = DPOTrainingArguments(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, save_strategy="no", loss_type="sigmoid", beta=0.1
+    )
+    trainer = DPOTrainer(model=ours_policy, args=args, ref_model=ours_ref)
     rows, _ = pack(examples, 1024, "greedy")
     batch = collate_pairs(rows, pad_token_id=tok.pad_token_id)
     with torch.no_grad():

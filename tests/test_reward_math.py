@@ -10,11 +10,12 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from llm.alignment.rm.loss import pairwise_loss, step_loss
-from llm.alignment.rm.trainer import RewardTrainer
+from llm.alignment.rm.orm_trainer import ORMTrainer
+from llm.alignment.rm.prm_trainer import PRMTrainer
 from llm.data.packing import collate, pack
 from llm.data.tokenize import EncodeConfig, OverlongCounter, encode_pair_for_scores, encode_prm
 from llm.settings.reward import RewardTrainingArguments as TrainingArguments
-from tests.helpers import ROOT, tiny_model, tokenizer, twin
+from tests.helpers import ROOT, reward_trainer, tiny_model, tokenizer, twin
 
 SAMPLE = os.path.join(ROOT, "llm", "data", "sample")
 
@@ -107,10 +108,9 @@ def test_prm_loss_and_accuracy_equal_naive_oracle(tmp_path, strategy):
     model = tiny_model("llama").eval()
     stock = twin(model, "sdpa").eval()
     examples = encode_prm_examples(tok, prm_records(12))
-    trainer = RewardTrainer(
+    trainer = PRMTrainer(
         model=model,
         args=args(tmp_path),
-        process_reward=True,
         reward_token_ids=(tok.convert_tokens_to_ids("+"), tok.convert_tokens_to_ids("-")),
     )
     rows, _ = pack(examples, 1024, strategy)
@@ -144,7 +144,7 @@ def test_orm_scores_and_loss_equal_trl(tmp_path):
     records = pair_records(8)
     cfg = EncodeConfig(1024, 256)
     examples = [encode_pair_for_scores(r, tok, cfg, i, OverlongCounter()) for i, r in enumerate(records)]
-    trainer = RewardTrainer(model=ours_model, args=args(tmp_path), process_reward=False)
+    trainer = ORMTrainer(model=ours_model, args=args(tmp_path))
     rows, _ = pack(examples, 1024, "greedy")
     batch = collate(rows, pad_token_id=tok.pad_token_id)
     with torch.no_grad():
@@ -184,7 +184,8 @@ def test_orm_scores_and_loss_equal_trl(tmp_path):
 
 def one_sgd_step(tmp_path, rows, batch_size, accumulation, process_reward, model_factory, token_ids):
     model = model_factory()
-    trainer = RewardTrainer(
+    trainer = reward_trainer(
+        process_reward,
         model=model,
         args=args(
             tmp_path,
@@ -200,7 +201,6 @@ def one_sgd_step(tmp_path, rows, batch_size, accumulation, process_reward, model
         ),
         train_dataset=rows,
         data_collator=lambda r: collate(r, pad_token_id=0),
-        process_reward=process_reward,
         reward_token_ids=token_ids,
     )
     trainer.train()

@@ -166,7 +166,8 @@ class OverlongCounter(Counter):
         return text
 
 
-def _fit_prompt(prompt: list[int], cfg: EncodeConfig) -> list[int] | None:
+def fit_prompt(prompt: list[int], cfg: EncodeConfig) -> list[int] | None:
+    """``prompt`` if it fits ``max_prompt_len``; else its end (``truncate``) or None (``skip``)."""
     if len(prompt) <= cfg.max_prompt_len:
         return prompt
     return prompt[-cfg.max_prompt_len :] if cfg.overlong_policy == "truncate" else None
@@ -241,7 +242,7 @@ def encode_prm(
         full_prompt = render_prompt(record.prompt, tokenizer, cfg.use_chat_template)
     else:
         full_prompt = start_ids(tokenizer)
-    prompt = _fit_prompt(full_prompt, cfg)
+    prompt = fit_prompt(full_prompt, cfg)
     response, marks = prm_response_ids(tokenizer, record.steps, placeholder, placeholder_id)
     # 0 = the positive token, 1 = the negative one, UNLABELLED (-1): scored, in no loss or step metric
     targets = [UNLABELLED if label is None else reward_tokens.index(label) for label in record.labels]
@@ -274,7 +275,7 @@ def encode_pair_for_scores(
 ) -> Example | None:
     """[prompt | chosen + eos | rejected + eos]; readouts at the last chosen and last rejected token."""
     full_prompt = render_prompt(record.prompt, tokenizer, cfg.use_chat_template)
-    prompt = _fit_prompt(full_prompt, cfg)
+    prompt = fit_prompt(full_prompt, cfg)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     chosen = tokenizer(record.chosen, add_special_tokens=False)["input_ids"] + eos
     rejected = tokenizer(record.rejected, add_special_tokens=False)["input_ids"] + eos

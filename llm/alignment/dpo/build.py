@@ -1,4 +1,5 @@
-"""Build everything ``run_dpo.py`` needs: tokenizer, packed pairs, policy, reference, trainer."""
+"""Build everything ``run_dpo.py`` needs from parsed arguments: the DPO recipe (``llm.alignment.recipe``), whose
+trainer also gets the frozen reference model."""
 
 from __future__ import annotations
 
@@ -11,17 +12,13 @@ from transformers import PreTrainedTokenizerBase
 from llm.alignment.dpo.loss import loss_spec
 from llm.alignment.dpo.trainer import DPOTrainer, collate_pairs
 from llm.alignment.lm import load_causal_lm
+from llm.alignment.recipe import Recipe, build_trainer
 from llm.alignment.sft.build import encode_config
-from llm.data.pipeline import PackedData, load_packed, plan_summary, train_and_dev
-from llm.data.tokenize import resolve_chat_template
+from llm.data.pipeline import PackedData, load_packed
 from llm.data.tokenize_lm import encode_pair_for_lm
 from llm.settings.dpo import DPOModelArgument, DPOTrainingArguments
-from llm.settings.flat import DataArgument, recompute_mode
-from llm.utils.attention import kernel_for
+from llm.settings.flat import DataArgument
 from llm.utils.errors import UserError
-from llm.utils.lora import apply_lora, check_lora_arguments, quantization_config
-from llm.utils.modeling import count_parameters, load_tokenizer
-from llm.utils.preemption import SaveOnSignal
 
 logger = logging.getLogger(__name__)
 
@@ -65,65 +62,37 @@ def build_reference(model_args: DPOModelArgument, training_args: DPOTrainingArgu
     return copy.deepcopy(policy)
 
 
+class DPORecipe(Recipe):
+    """A causal LM on packed preference pairs ``[prompt | chosen | rejected]``, against a frozen reference."""
+
+    trainer_class = DPOTrainer
+    collate = staticmethod(collate_pairs)  # plus the precomputed reference log-probs
+
+    @property
+    def task(self) -> str:
+        return f"DPO ({self.training_args.loss_type})"
+
+    def check(self) -> None:
+        if self.training_args.precompute_ref_log_probs and self.data_args.lazy:
+            raise UserError("precompute_ref_log_probs needs the data in memory: set lazy false (or precompute false)")
+        super().check()
+
+    def model_objects(self, model, tokenizer) -> dict:
+        return {"ref_model": build_reference(self.model_args, self.training_args, tokenizer, model)}
+
+    def read_split(self, path, tokenizer, batch_size, probs=None, lazy=False, max_records=None) -> PackedData:
+        t = self.training_args
+        return build_pair_data(
+            path, tokenizer, self.data_args, t.loss_type, batch_size, t.seed, probs, lazy, max_records
+        )
+
+    def finish(self, trainer: DPOTrainer) -> None:
+        if self.training_args.precompute_ref_log_probs:
+            trainer.precompute_reference_log_probs()
+            logger.info("reference log-probs precomputed for every pair; no reference model is kept")
+
+
 def build_dpo_trainer(
     model_args: DPOModelArgument, data_args: DataArgument, training_args: DPOTrainingArguments
 ) -> tuple[DPOTrainer, PackedData | None, PackedData | None]:
-    if training_args.precompute_ref_log_probs and data_args.lazy:
-        raise UserError("precompute_ref_log_probs needs the data in memory: set lazy false (or precompute false)")
-    check_lora_arguments(model_args, training_args)
-    tokenizer = load_tokenizer(model_args.tokenizer_name_or_path or model_args.model_name_or_path)
-    # the effective choice, for the encoders and the run fingerprint (which reads data_args)
-    data_args.use_chat_template = resolve_chat_template(data_args.use_chat_template, tokenizer)
-    recompute = recompute_mode(model_args, training_args)
-    model = load_causal_lm(
-        model_args.model_name_or_path,
-        training_args,
-        tokenizer,
-        model_args.init_from_config,
-        recompute,
-        quantization_config(model_args, training_args),
-    )
-    if model_args.lora:
-        model = apply_lora(model, model_args, "causal_lm")
-    ref_model = build_reference(model_args, training_args, tokenizer, model)
-    data = functools.partial(
-        build_pair_data,
-        tokenizer=tokenizer,
-        data_args=data_args,
-        seed=training_args.seed,
-        loss_type=training_args.loss_type,
-    )
-    train, dev = train_and_dev(data_args, training_args, data)
-    plan = plan_summary(train, data_args)
-    logger.info(
-        "DPO (%s) %s: %.2fM parameters; %s",
-        training_args.loss_type,
-        type(model).__name__,
-        count_parameters(model) / 1e6,
-        plan,
-    )
-    trainer = DPOTrainer(
-        model=model,
-        args=training_args,
-        train_dataset=train.rows if train else None,
-        eval_dataset=dev.rows if dev else None,
-        data_collator=functools.partial(
-            collate_pairs,
-            pad_token_id=tokenizer.pad_token_id,
-            kernel=kernel_for(model_args.use_flash_attention, model_args.flash_mask),
-        ),
-        processing_class=tokenizer,
-        loss_type=training_args.loss_type,
-        beta=training_args.beta,
-        label_smoothing=training_args.label_smoothing,
-        simpo_gamma=training_args.simpo_gamma,
-        sft_loss_weight=training_args.sft_loss_weight,
-        reference_free=training_args.reference_free,
-        ref_model=ref_model,
-        callbacks=[SaveOnSignal()],
-    )
-    trainer.lora_merge = model_args.lora_merge  # AlignmentTrainer.save_model writes output_dir/merged too
-    if training_args.precompute_ref_log_probs:
-        trainer.precompute_reference_log_probs()
-        logger.info("reference log-probs precomputed for every pair; no reference model is kept")
-    return trainer, train, dev
+    return build_trainer(DPORecipe(model_args, data_args, training_args))

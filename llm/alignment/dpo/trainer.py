@@ -20,7 +20,7 @@ import torch
 
 from llm.alignment.dpo.loss import PairLogProbs, loss_spec, mean_nll, preference_loss
 from llm.alignment.lm import READOUT_CHUNK, check_packed_attention, per_example_sums, token_log_probs
-from llm.alignment.trainer import AlignmentTrainer, ItemOutputs, _gather_objects
+from llm.alignment.trainer import AlignmentTrainer, ItemOutputs, gather_objects
 from llm.data.packing import PackedBatch, PackedRow, collate
 from llm.data.tokenize_lm import CHOSEN, PROMPT, REJECTED
 from llm.utils.distributed import with_spares
@@ -55,25 +55,22 @@ def collate_pairs(rows: list[PackedRow], pad_token_id: int, kernel: str = "sdpa"
 
 
 class DPOTrainer(AlignmentTrainer):
+    """``args``: ``DPOTrainingArguments``, whose ``loss_type``, ``beta``, ``label_smoothing``, ``simpo_gamma``,
+    ``sft_loss_weight`` and ``reference_free`` it reads. ``ref_model``: the frozen reference (None: precomputed
+    log-probs, a LoRA policy's base, or no reference); ``readout_chunk``: readouts per LM-head block."""
+
     def __init__(
         self,
         *args,
-        loss_type: str = "sigmoid",
-        beta: float = 0.1,
-        label_smoothing: float = 0.0,
-        simpo_gamma: float = 0.5,
-        sft_loss_weight: float = 0.0,
-        reference_free: bool = False,
         ref_model: torch.nn.Module | None = None,
         readout_chunk: int = READOUT_CHUNK,
         **kwargs,
     ) -> None:
         super().__init__(*args, **kwargs)
         check_packed_attention(self.model, "DPOTrainer")
-        self.loss_type, self.beta, self.label_smoothing = loss_type, beta, label_smoothing
-        self.simpo_gamma, self.sft_loss_weight, self.readout_chunk = simpo_gamma, sft_loss_weight, readout_chunk
-        self.spec = loss_spec(loss_type)
-        self.uses_reference = self.spec.needs_reference and not reference_free
+        self.readout_chunk = readout_chunk
+        self.spec = loss_spec(self.args.loss_type)
+        self.uses_reference = self.args.uses_reference
         self.ref_model = ref_model
         if ref_model is not None:
             ref_model.requires_grad_(False)
@@ -120,13 +117,9 @@ class DPOTrainer(AlignmentTrainer):
 
     def forward_items(self, model, batch: PairBatch) -> ItemOutputs:
         policy, logps = self.pair_log_probs(model, self.model.get_output_embeddings(), batch)
+        a = self.args
         out = preference_loss(
-            self.loss_type,
-            policy,
-            self.reference_log_probs(batch),
-            self.beta,
-            self.label_smoothing,
-            self.simpo_gamma,
+            a.loss_type, policy, self.reference_log_probs(batch), a.beta, a.label_smoothing, a.simpo_gamma
         )
         loss = out.loss
         if self.spec.nll_term:
@@ -135,8 +128,8 @@ class DPOTrainer(AlignmentTrainer):
             loss = loss + mean_nll(
                 per_example_sums(logps, batch, seq), per_example_sums(torch.ones_like(logps), batch, seq)
             )
-        elif self.sft_loss_weight:
-            loss = loss + self.sft_loss_weight * mean_nll(policy.chosen, policy.chosen_tokens)
+        elif a.sft_loss_weight:
+            loss = loss + a.sft_loss_weight * mean_nll(policy.chosen, policy.chosen_tokens)
         values = {
             "chosen_reward": out.chosen_rewards,
             "rejected_reward": out.rejected_rewards,
@@ -215,7 +208,7 @@ class DPOTrainer(AlignmentTrainer):
                     n = len(row.records)
                     done.append((start + i, c[first : first + n], r[first : first + n]))
         model.train(was_training)
-        by_row = {i: (c, r) for i, c, r in _gather_objects(done)}
+        by_row = {i: (c, r) for i, c, r in gather_objects(done)}
         return [
             ReferencedRow(**row.__dict__, ref_chosen=by_row[i][0], ref_rejected=by_row[i][1])
             for i, row in enumerate(rows)

@@ -191,7 +191,8 @@ def make_server(scorer: RewardScorer, args: ServeArgument) -> ThreadingHTTPServe
 def build_scorer(model_args, training_args, serve_args: ServeArgument) -> RewardScorer:
     """The reward model of a reward config (``run_reward.py``'s fields) as PPO's ORM / PRM reward."""
     from llm.alignment.ppo.rewards import ORMReward, PRMReward
-    from llm.alignment.rm.build import build_reward_model, reward_tokens
+    from llm.alignment.rm.build import build_reward_model
+    from llm.alignment.rm.data import reward_tokens
     from llm.data.tokenize import single_token_id
     from llm.utils.modeling import load_tokenizer
 
