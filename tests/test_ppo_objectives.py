@@ -269,3 +269,24 @@ def test_trl_grpo_loss_parity(tmp_path):
         name = f"{case['loss_type']}/{case['level']}"
         assert abs(ours.loss.item() - loss_t.item()) <= 1e-6, name
         assert torch.allclose(grad * mask, grad_t * mask, atol=1e-6, rtol=0), name
+
+
+def test_mindspeed_layout_takes_the_objectives_under_verls_names(tmp_path):
+    """A MindSpeed-layout file gives the actor's objective settings under verl's names (the names MindSpeed's Ray
+    PPO came with) and the reward's overlong buffer; the algorithm section's names are ours (verl's too)."""
+    from llm.settings.load import parse_ppo_config
+    from tests.test_ppo_config import edited
+
+    def edit(data):
+        actor = data["actor_rollout_ref"]["actor_rollout"]
+        actor.update(policy_loss="dual_clip", clip_ratio_c=2.5, loss_agg_mode="seq-mean-token-mean")
+        actor.update(clip_ratio_low=0.2, clip_ratio_high=0.28, n_samples_per_prompt=2)
+        data["reward"].update(overlong_buffer_len=4, overlong_penalty_factor=0.5)
+        data.setdefault("algorithm", {}).update(adv_estimator="grpo", norm_adv_by_std_in_grpo=False)
+
+    c = parse_ppo_config([edited(tmp_path, edit)])
+    a = c.actor_rollout
+    assert (a.policy_loss, a.clip_ratio_c, a.loss_agg_mode) == ("dual_clip", 2.5, "seq-mean-token-mean")
+    assert (c.clip_low, c.clip_high) == (0.2, 0.28)
+    assert (c.reward.overlong_buffer_len, c.reward.overlong_penalty_factor) == (4, 0.5)
+    assert c.algorithm.norm_adv_by_std_in_grpo is False

@@ -89,6 +89,19 @@ RULES: dict[str, Rule] = {
     "ppo_epochs": Rule(ACTOR, to("ppo_epochs"), f"{S_ACTOR} make_minibatch_iterator(epochs=ppo_epochs)"),
     "clip_ratio": Rule(ACTOR, to("clip_ratio"), "core_algos.py compute_policy_loss(cliprange=clip_ratio)"),
     "shuffle_minibatch": Rule(ACTOR, to("shuffle_minibatch"), f"{S_ACTOR} dataloader_kwargs shuffle"),
+    # the 2026 objectives under verl's names (MindSpeed-LLM's PPO had one clip range; verl, from which its Ray PPO
+    # came, names these): llm/alignment/ppo/objectives.py
+    "clip_ratio_low": Rule(ACTOR, to("clip_ratio_low"), "verl core_algos.py compute_policy_loss(cliprange_low)"),
+    "clip_ratio_high": Rule(ACTOR, to("clip_ratio_high"), "verl core_algos.py compute_policy_loss(cliprange_high)"),
+    "clip_ratio_c": Rule(ACTOR, to("clip_ratio_c"), "verl core_algos.py compute_policy_loss (dual-clip bound)"),
+    "loss_agg_mode": Rule(ACTOR, to("loss_agg_mode"), "verl core_algos.py agg_loss(loss_agg_mode)"),
+    "policy_loss": Rule(ACTOR, to("policy_loss"), "verl actor.policy_loss.loss_mode (get_policy_loss_fn)"),
+    "overlong_buffer_len": Rule(
+        ("reward",), to("overlong_buffer_len"), "verl reward_model.overlong_buffer.len (DAPO reward manager)"
+    ),
+    "overlong_penalty_factor": Rule(
+        ("reward",), to("overlong_penalty_factor"), "verl reward_model.overlong_buffer.penalty_factor"
+    ),
     "entropy_coeff": Rule(
         ACTOR,
         no_effect("MindSpeed's PPO loss (loss_func_ppo) has no entropy term, so neither has this run", float),
