@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from llm.alignment.trainer import duration_text, eval_plan_text
-from llm.data.pipeline import cap_records, train_and_dev
+from llm.data.prepare import cap_records, train_and_dev
 from llm.data.readers.records import PRMRecord
 from llm.run_reward import main
 from llm.settings.dialects.paddle import PADDLE_REWARD_NAMES
@@ -25,7 +25,7 @@ def candidate(index: int, group: str | None, correct: bool | None = True) -> PRM
 
 
 def test_cap_keeps_the_first_records_and_leaves_out_a_cut_group(caplog):
-    caplog.set_level("INFO", "llm.data.pipeline")
+    caplog.set_level("INFO", "llm.data.prepare")
     records = [candidate(i, None, None) for i in range(4)]  # plain PRM solutions: no group
     assert cap_records(records, None, "dev.jsonl") is records and cap_records(records, 9, "dev.jsonl") is records
     assert [r.index for r in cap_records(records, 3, "dev.jsonl")] == [0, 1, 2]

@@ -533,7 +533,7 @@ def test_map_keys_errors_name_file_record_and_column(tmp_path):
 
 
 def test_map_keys_is_threaded_from_data_argument(tmp_path):
-    from llm.data.pipeline import load_packed
+    from llm.data.prepare import load_packed
     from llm.data.tokenize import EncodeConfig, encode_prm
     from llm.settings.flat import DataArgument
     from tests.helpers import tokenizer

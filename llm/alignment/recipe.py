@@ -9,7 +9,7 @@ runs the sequence they share:
    run fingerprint read it); the recipe's changes to the tokenizer (a PRM's added placeholder);
 3. the model (``load_model``), then LoRA adapters when ``lora`` is set;
 4. the objects built from the model (``model_objects``: DPO's reference);
-5. the training and dev splits (``llm.data.pipeline.train_and_dev`` over ``read_split``), their checks and the
+5. the training and dev splits (``llm.data.prepare.train_and_dev`` over ``read_split``), their checks and the
    objects built from them (``data_objects``: a reward model's dev records);
 6. the trainer: ``trainer_class(model, args=training_args, model_args=model_args, ...)``, reading its
    hyper-parameters from those arguments; then ``finish`` (DPO's precomputed reference log-probs).
@@ -26,7 +26,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from llm.alignment.lm import load_causal_lm
 from llm.alignment.trainer import AlignmentTrainer
 from llm.data.packing import collate
-from llm.data.pipeline import PackedData, plan_summary, train_and_dev
+from llm.data.prepare import PackedData, plan_summary, train_and_dev
 from llm.data.tokenize import resolve_chat_template
 from llm.settings.flat import DataArgument, ModelArgument, TrainingArguments, recompute_mode
 from llm.utils.attention import kernel_for

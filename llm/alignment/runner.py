@@ -6,7 +6,7 @@ import json
 import logging
 import os
 
-from llm.data.pipeline import overlong_results
+from llm.data.prepare import overlong_results
 from llm.settings.fingerprint import training_fingerprint
 from llm.settings.flat import DataArgument, TrainingArguments
 from llm.utils import preemption

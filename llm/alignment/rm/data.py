@@ -12,7 +12,7 @@ import functools
 from transformers import PreTrainedTokenizerBase
 
 from llm.data.packing import Example, causal_example
-from llm.data.pipeline import PackedData, load_packed
+from llm.data.prepare import PackedData, load_packed
 from llm.data.readers import PRMRecord
 from llm.data.tokenize import (
     EncodeConfig,

@@ -1,4 +1,5 @@
-"""One data split end to end: read and validate records, encode them to ``Example``s, pack them into rows."""
+"""Preparing one data split end to end (not the SFT -> RM -> PPO run of llm/run_pipeline.py): read and validate
+records, encode them to ``Example``s, pack them into rows."""
 
 from __future__ import annotations
 
