@@ -1,0 +1,496 @@
+"""OpenLLaMA2 / OpenRLHF launch scripts read as configs: ``python llm/run_ppo.py train_ppo_llama.sh``.
+
+The script's one training command (a heredoc, ``read -r -d '' cmds <<EOF ... EOF`` then ``deepspeed $cmds``, or
+``deepspeed --module openrlhf.cli.train_sft --flag v \\``) must run the OpenRLHF script matching ours; ``TABLE``
+translates each flag with OpenRLHF's meaning (the argparse of OpenLLaMA2's ``examples/train_*.py``,
+OpenRLHF/OpenRLHF@55ccebea, and of ``openrlhf/cli/train_*.py`` at f9a8fe2d) onto our fields (flat for sft / rm / dpo,
+``llm.settings.ppo``'s sections for ppo), one line each in ``notes``, or refuses it with what to do (README
+"OpenRLHF / OpenLLaMA2 launch scripts"). A flag left out takes OpenLLaMA2's default where ours differs.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import re
+import shlex
+from collections.abc import Callable
+from typing import Any
+
+from llm.utils.errors import UserError, closest
+from llm.utils.paths import resolve_input_path, tried
+
+LAUNCH_SCRIPT_EXTENSIONS = (".sh",)
+READERS = {"sft": "llm/run_finetune.py", "rm": "llm/run_reward.py", "dpo": "llm/run_dpo.py", "ppo": "llm/run_ppo.py"}
+MAP_KEYS = {"input_key": "src", "output_key": "tgt", "label_key": "reference"}  # else the flag's name less _key
+_SCRIPT = re.compile(r"(?:^|[/.])train_([a-z_]+?)(?:\.py)?$")
+_HEREDOC = re.compile(r"<<-?[ \t]*(['\"]?)(\w+)\1[^\n]*\n(.*?)^[ \t]*\2[ \t]*$", re.DOTALL | re.MULTILINE)
+_ASSIGN = re.compile(r"^[ \t]*(?:(?:export|readonly|declare)[ \t]+)?([A-Za-z_]\w*)=(.*)$", re.MULTILINE)
+_VAR = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
+
+
+class _T:
+    """One translation: the flags (``given``), our config (``out``), the notes; a ``*`` row's method per flag."""
+
+    def __init__(self, path: str, kind: str, given: dict, defaulted: set, notes: list) -> None:
+        self.path, self.kind, self.given, self.defaulted, self.notes = path, kind, given, defaulted, notes
+        self.ppo, self.out = kind == "ppo", {}
+
+    def src(self, name: str) -> str:
+        value = self.given[name]
+        text = " ".join(map(str, (f"--{name}", *(value if isinstance(value, (list, tuple)) else [value]))))
+        text = f"--{name}" if value is True else f"no --{name}" if value is False else text
+        return f"{text} (train_{self.kind}.py's default)" if name in self.defaulted else text
+
+    def set(self, field: str, value: Any, name: str | None, why: str = "") -> None:
+        """``field`` = ``value`` from flag ``name`` (None: OpenRLHF's doing without a flag, unless a flag set it)."""
+        node = self.out
+        *parents, key = field.split(".")
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        if key in node and (name is None or node[key] == value):
+            return
+        if key in node:
+            raise self.fail(name, f"sets {field} = {json.dumps(value)}, which another flag set to {node[key]!r}")
+        node[key] = value
+        why = f" ({why})" if why else ""
+        self.notes.append(f"{self.src(name) if name else '(no flag)'} -> {field} = {json.dumps(value)}{why}")
+
+    def note(self, name: str, why: str) -> None:
+        self.notes.append(f"{self.src(name)}: {why}")
+
+    def fail(self, name: str, why: str) -> UserError:
+        return UserError(f"{self.path}: --{name}: {why}")
+
+    def field(self, flat: str, ppo: str) -> str:
+        return ppo if self.ppo else flat
+
+    def hf_dir(self, name: str, value: str) -> str:
+        found = resolve_input_path(value)
+        if value.endswith((".pt", ".pth", ".bin")) or (found is not None and os.path.isfile(found)):
+            why = f"{value!r} is a state dict, OpenLLaMA2's .pt format; nothing is unpickled here: give the Hugging "
+            raise self.fail(name, why + "Face directory of that model (run_finetune.py / run_reward.py write one)")
+        return value
+
+    @functools.cached_property
+    def counts(self) -> list[int | None]:
+        """Records in each data file (JSON lines or a JSON array); None for a directory or another format."""
+        out: list[int | None] = []
+        for path in self.given.get("prompt_data" if self.ppo else "dataset", "").split(","):
+            found = resolve_input_path(path.strip()) if path.strip() else None
+            if found is None or os.path.isdir(found) or not found.endswith((".json", ".jsonl")):
+                out.append(None)
+                continue
+            with open(found, encoding="utf-8") as f:
+                array = f.read(256).lstrip().startswith("[")
+                f.seek(0)
+                out.append(len(json.load(f)) if array else sum(1 for line in f if line.strip()))
+        return out
+
+    def prompts(self, name: str) -> int:
+        if None in self.counts:
+            raise self.fail(name, "needs the number of prompts: give the prompts as .jsonl / .json files")
+        return min(sum(self.counts), self.given["max_samples"])
+
+    # --- models and data
+    def pretrain(self, name: str, value: str) -> None:
+        weights, prefix = ("sft_model_path", "actor_rollout.") if self.ppo else ("load_model", "")
+        if weights in self.given:  # OpenLLaMA2: the architecture and tokenizer; the weights come from --load_model
+            self.set(f"{prefix}tokenizer_name_or_path", self.hf_dir(name, value), name, f"weights: --{weights}")
+        else:
+            self.set(f"{prefix}model_name_or_path", self.hf_dir(name, value), name)
+
+    def load_model(self, name: str, value: str) -> None:
+        field = {"load_model": "model_name_or_path", "sft_model_path": "actor_rollout.model_name_or_path"}
+        self.set(field.get(name, "ref_model_name_or_path"), self.hf_dir(name, value), name)
+
+    def reward_model_path(self, name: str, value: str) -> None:
+        if "reward_pretrain" in self.given and "reward_model_path" in self.given:
+            raise self.fail(name, "--reward_pretrain and --reward_model_path both name the reward model: keep one")
+        self.set("reward.type", "orm", name, "a reward model, scoring at the last token")
+        self.set("reward.model_name_or_path", self.hf_dir(name, value), name)
+
+    def critic_pretrain(self, name: str, value: str) -> None:
+        if "reward_model_path" in self.given:  # OpenLLaMA2: the critic is a copy of the reward model
+            self.note(name, "the architecture of the reward model, which the critic starts from, there and here")
+        elif "reward_pretrain" in self.given:
+            self.set("critic.model_name_or_path", self.hf_dir(name, value), name)
+        else:  # OpenLLaMA2 without a trained reward model: these weights with a new value head score the samples
+            self.reward_model_path(name, value)
+
+    def dataset(self, name: str, value: str) -> None:
+        paths = [p.strip() for p in value.split(",") if p.strip()]
+        for p in paths:
+            if "@" in p or resolve_input_path(p) is None:
+                why = f"{p!r} is not a local file or directory (looked in: {tried(p)}); OpenRLHF downloads hub data "
+                raise self.fail(name, why + "sets, this project reads local files: save it as .jsonl and give that")
+        self.set(self.field("train_dataset_path", "data.train_dataset_path"), ",".join(paths), name)
+
+    def max_samples(self, name: str, value: int) -> None:
+        if None in self.counts and name in self.defaulted:
+            return self.note(name, "not counted (a directory or Parquet): this project reads every record")
+        if None in self.counts or sum(self.counts) > value:
+            why = "cannot count the records" if None in self.counts else f"would keep {value} of {sum(self.counts)}"
+            raise self.fail(
+                name, f"{why}; this project reads every record: cut the data to {value} records or remove it"
+            )
+        self.note(name, f"the data has {sum(self.counts)} records: no cap")
+
+    def input_key(self, name: str, column: str) -> None:
+        """An OpenRLHF column name -> ``map_keys`` {the field this project reads: the column}."""
+        ours = "prompt" if self.ppo and name == "input_key" else MAP_KEYS.get(name, name[: -len("_key")])
+        if self.kind == "sft" and name == "input_key" and "output_key" not in self.given:
+            ours = "messages"  # OpenRLHF: the input column holds the whole conversation
+        if ours == column:
+            return self.note(name, "the column this project reads")
+        node = self.out.setdefault("data", {}) if self.ppo else self.out
+        node["map_keys"] = {**node.get("map_keys", {}), ours: column}
+        self.notes.append(f"{self.src(name)} -> {self.field('', 'data.')}map_keys[{ours!r}] = {column!r}")
+
+    # --- sizes, steps, the rest
+    def train_batch_size(self, name: str, value: int) -> None:
+        micro, world = self.given["micro_train_batch_size"], int(os.environ.get("WORLD_SIZE", "1"))
+        if value % (micro * world):
+            why = f"{value} is OpenRLHF's global batch, micro_train_batch_size x accumulation x processes: it must be"
+            raise self.fail(name, f"{why} a multiple of {micro} x {world} process(es) = {micro * world}")
+        why = f"{value} / ({micro} x {world} process(es))"
+        self.set("gradient_accumulation_steps", value // (micro * world), name, why)
+
+    def max_len(self, name: str, value: int) -> None:
+        pair = self.kind in ("rm", "dpo")
+        why = "a pair is one row here, the prompt once and both answers: 2 x max_len holds every pair kept whole"
+        self.set("max_seq_len", 2 * value if pair else value, name, why if pair else "")
+        why = "OpenRLHF cuts an over-long prompt + answer at its end; here a prompt loses its start, then the answer"
+        self.set("max_prompt_len", value - 1, name, why + " its end")
+
+    def num_episodes(self, name: str, value: int) -> None:
+        prompts, rollout = self.prompts(name), self.given["rollout_batch_size"]
+        if prompts < rollout:
+            why = f"the {prompts} prompts make no full rollout batch of {rollout} (OpenRLHF drops a partial one): "
+            raise self.fail(name, why + "lower --rollout_batch_size or give more prompts")
+        why = f"{value} x ({prompts} prompts // {rollout})"
+        self.set("training.max_steps", value * (prompts // rollout), name, why)
+
+    def lr_warmup_ratio(self, name: str, value: float) -> None:
+        g = self.given
+        steps = g["num_episodes"] * (self.prompts(name) * g.get("n_samples_per_prompt", 1) // g["train_batch_size"])
+        why = "of OpenRLHF's optimizer steps; it then decays the learning rates on a cosine, here they stay constant"
+        self.set("training.lr_warmup_steps", math.ceil(value * steps * g["max_epochs"]), name, why)
+
+    def lr_scheduler(self, name: str, value: str) -> None:
+        self.set("lr_scheduler_type", value, name)
+        if value == "cosine_with_min_lr":
+            self.set("lr_scheduler_kwargs", {"min_lr_rate": 0.1}, name, "OpenRLHF's min_lr: 0.1 x learning_rate")
+
+    def save_steps(self, name: str, value: int) -> None:
+        if self.ppo:
+            return self.set("training.save_steps", max(value, 0), name, "" if value > 0 else "no checkpoints")
+        self.set("save_strategy", "steps" if value > 0 else "no", name)
+        if value > 0:
+            self.set("save_steps", value, name)
+
+    def eval_steps(self, name: str, value: int) -> None:
+        if value <= 0:
+            return self.note(name, "no evaluation during training")
+        self.set("eval_strategy", "steps", name)
+        why = "give --dev_dataset_path FILE after the script: OpenRLHF evaluates its data set's test split"
+        self.set("eval_steps", value, name, why)
+
+    def lora_rank(self, name: str, value: Any) -> None:
+        if self.given.get("lora_rank", 0) <= 0:
+            return self.note(name, "no LoRA: every weight trains" if name == "lora_rank" else "read only with LoRA")
+        if value in ("all-linear", ["all-linear"]):
+            return self.note(name, "every linear layer of the decoder: this project's default projections")
+        for prefix in ("actor_rollout.", "critic.") if self.ppo else ("",):
+            if name == "lora_rank":
+                self.set(prefix + "lora", True, name)
+                if "lora_alpha" not in self.given:
+                    self.set(prefix + "lora_alpha", 16, name, "OpenRLHF's default alpha")
+            self.set(prefix + name, value, name)
+
+    def normalize_reward(self, name: str, value: bool) -> None:
+        model = self.out.get("reward", {}).get("model_name_or_path", "")
+        with open(resolve_input_path(os.path.join(model, "config.json")) or os.devnull, encoding="utf-8") as f:
+            config = json.loads(f.read() or "{}")
+        if config.get("mean", 0) != 0 or config.get("std", 1) != 1:
+            why = f"{model} stores a mean and std, which OpenRLHF applies; reward.normalize_reward here uses running "
+            raise self.fail(name, why + "batch moments: remove the flag, or fold (r - mean) / std into the score head")
+        self.note(name, "the reward model stores no mean / std: OpenRLHF's (r - 0) / 1 changes nothing")
+
+    def reward_clip_range(self, name: str, value: tuple) -> None:
+        if value[0] != -value[1] or value[1] <= 0:
+            raise self.fail(name, f"{value}: a symmetric range (-c, c) only (reward.reward_clip c)")
+        self.set("reward.reward_clip", value[1], name, "the score clipped to [-c, c] before the KL is added")
+
+    sft_model_path = ref_pretrain = load_model
+    reward_pretrain = reward_model_path
+    prompt_data = dataset
+    output_key = label_key = prompt_key = chosen_key = rejected_key = input_key
+    lora_alpha = lora_dropout = target_modules = lora_rank
+
+
+# ``flags type scripts action``, in the order the translation runs. Actions: ``*`` (the method of that name),
+# ``-> FLAT | PPO ~ why`` (fields for sft/rm/dpo | ppo: ``field``, ``field=value``, ``field=@flag``; an empty side is
+# noted with why, ``!text`` refused), ``~ why`` (noted), ``! fix`` (refused), ``=a,b ~ why ! fix`` (those values only).
+TABLE = """
+pretrain  str  all  *
+load_model  str  flat  *
+sft_model_path,reward_model_path,reward_pretrain,critic_pretrain  str  ppo  *
+ref_pretrain  str  dpo  *
+remote_rm_url  str  ppo  ! OpenRLHF's remote reward speaks another protocol: serve the model with serve_reward.py
+value_head_prefix  str  rm,ppo  =score ~ the head is named score here too ! this project's value head is 'score'
+save_path  str  all  -> output_dir | training.output_dir ~ the final model, Hugging Face format
+dataset  str  flat  *
+prompt_data  str  ppo  *
+dataset_probs  str  flat  -> dataset_probs ~ mixed till each file is read once (OpenLLaMA2: till one runs out)
+prompt_data_probs  str  ppo  -> | data.dataset_probs ~ mixed till each file is read once (OpenRLHF: till one runs out)
+max_samples  int  all  *
+input_key  str  sft,ppo  *
+output_key  str  sft  *
+label_key  str  ppo  *
+prompt_key,chosen_key,rejected_key  str  rm,dpo  *
+apply_chat_template  bool  all  -> use_chat_template | data.use_chat_template ~ without it the prompt is plain text
+input_template,tokenizer_chat_template  str  all  ! prompts are plain text or the tokenizer's chat template here
+train_split,prompt_split  str  all  =train ~ a local file is its train split ! a local file has one split: train
+eval_split  str  flat  ~ the dev data here is --dev_dataset_path, a file of its own
+multiturn  bool  sft  ~ every assistant turn is trained here too
+pretrain_mode  bool  sft  ! SFT here trains on the answer tokens only
+packing_samples  bool  all  -> zero_padding=true | ~ exact packing: the same numbers as unpacked (PPO: always)
+micro_train_batch_size  int  all  -> per_device_train_batch_size per_device_eval_batch_size | \
+actor_rollout.micro_batch_size critic.micro_batch_size
+train_batch_size  int  flat  *
+train_batch_size  int  ppo  -> | actor_rollout.ppo_mini_batch_size critic.critic_mini_batch_size ~ per optimizer step
+micro_rollout_batch_size  int  ppo  -> | training.micro_batch_size ~ generation, reference and reward forwards
+rollout_batch_size  int  ppo  -> | data.rollout_batch_size ~ prompts per step
+n_samples_per_prompt  int  ppo  -> | actor_rollout.num_samples_per_step
+max_epochs  int  all  -> num_train_epochs | actor_rollout.ppo_epochs critic.critic_update_epochs
+num_episodes  int  ppo  *
+max_len  int  flat  *
+max_len  int  ppo  ~ deprecated there: --prompt_max_len and --generate_max_len cap prompt and response
+prompt_max_len  int  ppo  -> | actor_rollout.max_prompt_length
+generate_max_len  int  ppo  -> | actor_rollout.max_response_length
+learning_rate  float  flat  -> learning_rate
+actor_learning_rate  float  ppo  -> | actor_rollout.learning_rate
+critic_learning_rate  float  ppo  -> | critic.learning_rate
+lr_warmup_ratio  float  flat  -> warmup_ratio ~ then the schedule of --lr_scheduler
+lr_warmup_ratio  float  ppo  *
+lr_scheduler  str  flat  *
+adam_betas  pair  all  -> adam_beta1 adam_beta2 | training.adam_beta1 training.adam_beta2
+l2  float  all  -> weight_decay | training.weight_decay
+max_norm  float  all  -> max_grad_norm | training.max_grad_norm
+seed  int  all  -> seed | training.seed
+bf16  bool  all  -> bf16=true fp16_opt_level=O2 | training.bf16=true ~ DeepSpeed's: bf16 weights, fp32 masters
+gradient_checkpointing  bool  all  -> recompute=true | training.gradient_checkpointing=true
+adam_offload  bool  all  -> | training.adam_offload=true ~ memory only; on a CPU nothing to move
+flash_attn  bool  all  ~ an attention kernel: the packed attention here is exact (CUDA: --use_flash_attention true)
+load_in_4bit  bool  all  -> weight_quantize_algo=nf4 | !QLoRA is not available in PPO here: remove it
+lora_rank,lora_alpha  int  all  *
+lora_dropout  float  all  *
+target_modules  list  all  *
+save_steps  int  all  *
+eval_steps  int  flat  *
+eval_steps  int  ppo  ~ PPO here evaluates no dev set (the log has each step's scores)
+logging_steps  int  all  -> logging_steps | training.logging_steps
+max_ckpt_num  int  all  -> save_total_limit | training.save_total_limit
+load_checkpoint  bool  all  ~ resume here with --resume_from_checkpoint auto after the script
+use_wandb  str  all  -> report_to=wandb | !PPO here logs to TensorBoard only: use --use_tensorboard
+use_tensorboard  str  all  -> report_to=tensorboard | training.report_to=tensorboard ~ events in output_dir
+loss  str  rm  =sigmoid,logexpwithlogit ~ -log sigmoid(s_c - s_r), both ! this project's ORM loss is sigmoid
+margin_loss  bool  rm  ! a per-pair margin column is not read: --margin (one constant) after the script
+only_evaluate  bool  rm  -> do_train=false do_eval=true | ~ on --dev_dataset_path FILE, given after the script
+compute_fp32_loss  bool  rm  ~ the losses are fp32 here always
+beta  float  dpo  -> beta
+ipo  bool  dpo  -> loss_type=ipo
+label_smoothing  float  dpo  -> label_smoothing
+nll_loss_coef  float  dpo  -> sft_loss_weight ~ the mean NLL of the chosen answer
+ref_offload  bool  dpo  ~ memory only
+eps_clip  float  ppo  -> | actor_rollout.clip_ratio
+value_clip  float  ppo  -> | critic.cliprange_value
+gamma  float  ppo  -> | algorithm.gamma
+lambd  float  ppo  -> | algorithm.lam
+init_kl_coef  float  ppo  -> | algorithm.kl_ctrl.kl_coef ~ the KL penalty in the reward, per token
+kl_target  float  ppo  -> | algorithm.kl_ctrl.type=adaptive algorithm.kl_ctrl.target_kl ~ horizon 10000 as there
+kl_estimator  str  ppo  -> | algorithm.kl_penalty=%k1:kl,k2:mse,k3:low_var_kl
+advantage_estimator  str  ppo  -> | algorithm.adv_estimator=%gae,group_norm:grpo,rloo,reinforce:reinforce_plus_plus
+use_kl_loss  bool  ppo  -> | algorithm.use_kl_in_reward=false algorithm.kl_loss_coef=@init_kl_coef ~ GRPO's KL loss
+normalize_reward  bool  ppo  *
+reward_clip_range  pair  ppo  *
+temperature  float  ppo  -> | actor_rollout.temperature
+top_p  float  ppo  -> | actor_rollout.top_p
+pretrain_data  str  ppo  ! PPO-ptx (a pretraining loss beside PPO) is not available: remove it
+pretrain_data_probs,pretrain_split  str  ppo  ~ read only with --pretrain_data
+ptx_coef  float  ppo  ~ read only with --pretrain_data
+enable_ema  bool  ppo  ! no EMA copy of the actor is kept here: remove it
+freezing_actor_steps  int  ppo  =-1,0 ~ the actor trains from the first step ! the actor is never frozen here
+save_value_network  bool  ppo  ~ the critic is always saved, in output_dir/critic
+aux_loss_coef  float  all  =0 ~ no MoE balancing loss ! no MoE balancing loss here: set 0
+ring_attn_size  int  all  =1 ~ no ring attention ! no ring attention here: set 1
+use_ms  bool  all  ! ModelScope downloads are not available: give local paths
+zero_stage,zpg,inference_tp_size  int  all  ~ DeepSpeed: memory and speed only (torchrun: sharding stage1/2/3)
+local_rank,ring_head_stride,max_ckpt_mem  int  all  ~ launcher / ring attention / checkpoint size: not read here
+overlap_comm,torch_compile,use_liger_kernel,actor_init_on_gpu  bool  all  ~ speed / placement only
+full_determinism,gradient_checkpointing_use_reentrant,disable_fast_tokenizer  bool  all  ~ the same numbers here
+save_hf_ckpt,disable_ds_ckpt,save_hf_model  bool  all  ~ checkpoints and model are Hugging Face format here
+grad_accum_dtype,ckpt_path  str  all  ~ gradients accumulate in the weights' dtype; checkpoints go to output_dir
+wandb_org,wandb_group,wandb_project,wandb_run_name  str  all  ~ logging only
+"""
+TYPES = {"bool": bool, "int": int, "float": float, "str": str, "list": list, "pair": tuple}
+SCRIPTS = {"all": ("sft", "rm", "dpo", "ppo"), "flat": ("sft", "rm", "dpo")}
+FLAT = {"max_epochs": 1, "micro_train_batch_size": 8, "train_batch_size": 128, "max_len": 512, "learning_rate": 1e-5,
+        "lr_scheduler": "cosine"}  # fmt: skip
+DEFAULTS = {  # OpenLLaMA2's argparse defaults (and its fixed betas, warmup, reward clip) where ours differ
+    "all": {"save_path": "./ckpt", "lr_warmup_ratio": 0.03, "adam_betas": (0.9, 0.95), "save_steps": -1,
+            "logging_steps": 1, "apply_chat_template": False},
+    "sft": {**FLAT, "max_epochs": 2, "learning_rate": 2e-6, "max_samples": 1000000},
+    "rm": FLAT,
+    "dpo": {**FLAT, "beta": 0.01},
+    "ppo": {"num_episodes": 1, "rollout_batch_size": 512, "micro_rollout_batch_size": 8, "max_epochs": 1,
+            "prompt_max_len": 1024, "generate_max_len": 1024, "max_samples": 100000, "micro_train_batch_size": 4,
+            "train_batch_size": 128, "actor_learning_rate": 1e-6, "critic_learning_rate": 9e-6,
+            "init_kl_coef": 0.02, "reward_clip_range": (-10.0, 10.0)},
+}  # fmt: skip
+Handler = Callable[[_T, str, Any], None]
+
+
+def _rule(action: str, type_: Any) -> Handler:
+    """A ``TABLE`` action as a handler."""
+    if action == "*":
+        return lambda t, name, value: getattr(t, name)(name, value)
+    kind = "->" if action.startswith("->") else action[0]
+    body, _, why = action[len(kind) :].partition(" ~ ") if kind in "->=" else ("", "", action[1:].strip())
+    why, _, fix = why.partition(" ! ")
+    accepted = [_typed(type_, [text], "TABLE", "") for text in body.split(",")] if kind == "=" else []
+    sides = body.split("|") if kind == "->" else ["", ""]
+
+    def apply(t: _T, name: str, value: Any) -> None:
+        side = sides[t.ppo].strip()
+        if kind == "!" or side.startswith("!") or value not in accepted and kind == "=":
+            raise t.fail(name, why if kind == "!" else side[1:].strip() or f"{value}: {fix}")
+        if not side:
+            return t.note(name, why)
+        fields = side.split()
+        split = isinstance(value, tuple) and len(value) == len(fields)
+        for field, own in zip(fields, value if split else (value,) * len(fields)):
+            field, eq, const = field.partition("=")
+            if const.startswith("%"):  # a choice: OpenRLHF's value -> ours
+                choices = {k: v or k for k, _, v in (pair.partition(":") for pair in const[1:].split(","))}
+                if own not in choices:
+                    raise t.fail(name, f"{own!r} is not available here: one of {', '.join(choices)}")
+                const = choices[own]
+            const = t.given[const[1:]] if const.startswith("@") else {"true": True, "false": False}.get(const, const)
+            t.set(field, const if eq else own, name, why)
+
+    return apply
+
+
+def _typed(kind: Any, values: list[str], name: str, path: str) -> Any:
+    count = {bool: 0, tuple: 2}.get(kind, 1)
+    if kind is not list and len(values) != count:
+        raise UserError(f"{path}: --{name} takes {count or 'no'} value{'s' if count > 1 else ''}, got {values}")
+    try:
+        if kind is bool:
+            return True
+        return tuple(float(v) for v in values) if kind is tuple else values if kind is list else kind(values[0])
+    except ValueError:
+        word = {int: "a whole number", float: "a number"}.get(kind, "two numbers")
+        raise UserError(f"{path}: --{name} must be {word} (OpenRLHF's type), got {' '.join(values)!r}") from None
+
+
+FLAGS: dict[str, dict[str, tuple[Any, Handler]]] = {}  # flag -> {OpenRLHF script: (type, handler)}
+for _line in TABLE.strip().splitlines():
+    _names, _type, _scripts, _action = _line.split(None, 3)
+    for _name in _names.split(","):
+        for _kind in SCRIPTS.get(_scripts) or _scripts.split(","):
+            FLAGS.setdefault(_name, {})[_kind] = (TYPES[_type], _rule(_action, TYPES[_type]))
+
+
+# --- the script ----------------------------------------------------------------------------------------
+def _command(text: str, path: str) -> tuple[list[str], str]:
+    """The flags of the script's one training command, and which OpenRLHF script it runs."""
+    variables: dict[str, str] = {}
+
+    def expand(piece: str) -> str:
+        def value(m: re.Match) -> str:
+            name = m.group(1) or m.group(2)
+            if name not in variables and name not in os.environ:
+                raise UserError(f"{path}: the training command uses ${name}, which neither the script nor the "
+                                "environment sets")  # fmt: skip
+            return variables.get(name, os.environ.get(name, ""))
+
+        return _VAR.sub(value, piece)
+
+    for name, raw in _ASSIGN.findall(text):
+        try:
+            variables[name] = expand(" ".join(shlex.split(raw, comments=True)))
+        except (ValueError, UserError):
+            continue
+    # (text, expanded): each heredoc's lines joined (a quoted one, <<'EOF', expands nothing), then every other line
+    pieces = [(re.sub(r"\\\n", " ", m.group(3)), not m.group(1)) for m in _HEREDOC.finditer(text)]
+    pieces += [(line, True) for line in re.sub(r"\\\n", " ", _HEREDOC.sub("", text)).splitlines()]
+    found = [(p, e) for p, e in pieces if any(_SCRIPT.search(word) for word in re.sub(r"(^|\s)#.*", "", p).split())]
+    if len(found) != 1:
+        what = f"{len(found)} training commands" if found else "no OpenRLHF training command (train_sft, ...)"
+        raise UserError(f"{path}: holds {what}: a launch script read as a config runs one")
+    try:
+        tokens = shlex.split(expand(found[0][0]) if found[0][1] else found[0][0], comments=True)
+    except ValueError as err:
+        raise UserError(f"{path}: cannot read the training command ({err})") from None
+    index = next(i for i, token in enumerate(tokens) if _SCRIPT.search(token))
+    return tokens[index + 1 :], _SCRIPT.search(tokens[index]).group(1)
+
+
+def _parse_flags(args: list[str], kind: str, path: str) -> dict[str, Any]:
+    given: dict[str, Any] = {}
+    known = [name for name, kinds in FLAGS.items() if kind in kinds]
+    i = 0
+    while i < len(args):
+        if not args[i].startswith("--") or len(args[i]) == 2:
+            raise UserError(f"{path}: {args[i]!r} in the training command is not a --flag")
+        name, eq, text = args[i][2:].partition("=")
+        if name not in known:
+            raise UserError(f"{path}: --{name}: not a flag of OpenRLHF's train_{kind} that this reader knows; "
+                            f"closest: {closest(name, known)}")  # fmt: skip
+        if name in given:
+            raise UserError(f"{path}: --{name} is given twice (OpenRLHF would take the last): keep one")
+        values, i = ([text] if eq else []), i + 1
+        while not eq and i < len(args) and not args[i].startswith("--"):
+            values, i = values + [args[i]], i + 1
+        given[name] = _typed(FLAGS[name][kind][0], values, name, path)
+    return given
+
+
+def read_launch_script(path: str, script: str, notes: list[str]) -> dict:
+    """The config (this project's layout: flat for sft / rm / dpo, sections for ppo) that the OpenLLaMA2 /
+    OpenRLHF command in the launch script ``path`` asks for; ``script`` is which of our scripts reads it."""
+    found = resolve_input_path(path)
+    if found is None:
+        raise UserError(f"{path}: no such file (looked in: {tried(path)})")
+    try:
+        with open(found, encoding="utf-8") as f:
+            args, runs = _command(f.read(), path)
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"{path}: cannot read it ({err})") from None
+    kind = runs.removesuffix("_ray")  # train_ppo_ray: train_ppo's flags and Ray's (refused: not known here)
+    if kind != script:
+        where = f"read it with python {READERS[kind]} {path}" if kind in READERS else "no counterpart here"
+        raise UserError(f"{path}: runs OpenRLHF's train_{runs}: {where} (this is {READERS[script]})")
+    given = _parse_flags(args, kind, path)
+    defaults = {**DEFAULTS["all"], **DEFAULTS[kind]}
+    defaulted = {name for name in defaults if name not in given}
+    t = _T(path, kind, {**given, **{name: defaults[name] for name in defaulted}}, defaulted, notes)
+    notes.append(f"OpenRLHF's train_{runs}: each flag's translation follows (one process here; torchrun for several)")
+    for name, kinds in FLAGS.items():
+        if name in t.given:
+            kinds[kind][1](t, name, t.given[name])
+    if t.ppo and "model_name_or_path" not in t.out.get("reward", {}):  # else our default reward would score
+        raise UserError(f"{path}: --reward_pretrain (OpenLLaMA2: --critic_pretrain) is required: the reward model")
+    why = "OpenRLHF logs only with --use_wandb / --use_tensorboard"
+    t.set(t.field("report_to", "training.report_to"), "none", None, why)
+    if t.ppo:
+        t.set("actor_rollout.top_k", 50, None, "OpenRLHF's generate() leaves top_k at transformers' default")
+        t.set("actor_rollout.do_sample", True, None, "OpenRLHF samples")
+    else:
+        t.set("do_train", True, None, f"train_{kind}.py trains")
+    return t.out
