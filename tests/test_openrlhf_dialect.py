@@ -403,3 +403,50 @@ def test_flat_reader_takes_overrides_after_the_script(tmp_path, data):
     _, _, training = parse_arguments([path, "--max_steps", "1", "--output_dir", str(tmp_path / "o")])
     assert (training.max_steps, training.gradient_accumulation_steps, training.adam_beta2) == (1, 2, 0.95)
     assert any("-> gradient_accumulation_steps = 2" in note for note in training.config_notes)
+
+
+def test_the_2026_objective_flags(tmp_path, data):
+    """OpenRLHF's names for DAPO's clip-higher, dual-clip, GSPO, dynamic filtering, the overlong buffer and async
+    training land on our fields, each with its log line."""
+    path = script(
+        tmp_path,
+        f"""
+        openrlhf.cli.train_ppo
+        --pretrain sft_dir
+        --reward_pretrain rm_dir
+        --prompt_data {data["prompts"]}
+        --n_samples_per_prompt 4
+        --rollout_batch_size 2
+        --train_batch_size 8
+        --advantage_estimator group_norm
+        --eps_clip_low_high 0.2 0.28
+        --policy_loss_type gspo
+        --dynamic_filtering
+        --dynamic_filtering_reward_range 0 1
+        --overlong_buffer_len 64
+        --overlong_penalty_factor 0.5
+        --async_train
+        """,
+    )
+    config, notes = translate(path, "ppo")
+    a = config["actor_rollout"]
+    assert (a["clip_ratio_low"], a["clip_ratio_high"], a["policy_loss"]) == (0.2, 0.28, "gspo")
+    assert a["async_rollout"] is True and config["algorithm"]["filter_groups"] is True
+    assert (config["reward"]["overlong_buffer_len"], config["reward"]["overlong_penalty_factor"]) == (64, 0.5)
+    assert any("--dynamic_filtering_reward_range" in n for n in notes)
+    dual = script(
+        tmp_path,
+        "openrlhf.cli.train_ppo\n--pretrain sft_dir\n--reward_pretrain rm_dir\n"
+        f"--prompt_data {data['prompts']}\n--rollout_batch_size 2\n--dual_clip 3.0\n--policy_loss_type ppo",
+        name="dual.sh",
+    )
+    a = translate(dual, "ppo")[0]["actor_rollout"]
+    assert (a["policy_loss"], a["clip_ratio_c"]) == ("dual_clip", 3.0)
+    alone = dual.replace("dual.sh", "alone.sh")
+    with open(dual, encoding="utf-8") as f, open(alone, "w", encoding="utf-8") as g:
+        g.write(f.read().replace(" \\\n--policy_loss_type ppo", ""))
+    assert translate(alone, "ppo")[0]["actor_rollout"]["policy_loss"] == "dual_clip"
+    with open(dual, encoding="utf-8") as f, open(alone, "w", encoding="utf-8") as g:
+        g.write(f.read().replace("--policy_loss_type ppo", "--policy_loss_type gspo"))
+    with pytest.raises(UserError, match="dual-clip bounds the ppo loss only"):
+        translate(alone, "ppo")
