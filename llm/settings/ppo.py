@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llm.settings.registry import ADV_ESTIMATORS
-from llm.settings.shared import LoraFields, OptimizerFields, with_default
+from llm.settings.shared import LoraFields, OptimizerFields, reward_token_pair, with_default
 from llm.utils.errors import UserError
 
 
@@ -272,7 +272,9 @@ class RewardSection(FrozenModelSection):
     overlong_penalty_factor: float = _f(1.0, "the largest overlong punishment (at max_response_length)", low=0)
 
     def __post_init__(self) -> None:
-        """What the lower bounds cannot say: the URL scheme and upper bounds (a run must not wait for ever)."""
+        """What the lower bounds cannot say: the URL scheme, the label tokens, upper bounds (a run must not wait
+        for ever)."""
+        reward_token_pair(self.reward_tokens, "reward.reward_tokens")
         if self.url is not None:
             check_reward_url(self.url)
         for name, high in (("max_retries", 10), ("retry_backoff", 60.0), ("max_response_bytes", 2**30)):

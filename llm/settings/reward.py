@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from llm.settings.flat import DataArgument, ModelArgument, TrainingArguments
+from llm.settings.shared import reward_token_pair
 from llm.utils.errors import UserError
 
 
@@ -23,6 +24,9 @@ class RewardModelArgument(ModelArgument):
             "and resize the model's embeddings (a new, untrained row); false: such a placeholder stops the run."
         },
     )
+
+    def __post_init__(self) -> None:
+        reward_token_pair(self.reward_tokens)  # refused at start-up, before any model loads
 
 
 @dataclass

@@ -16,8 +16,11 @@ unless ``fp16_opt_level`` is O2, PPO's ``training.bf16`` is always O2 (bf16 weig
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from llm.utils.errors import UserError
 
 
 @dataclass
@@ -76,3 +79,15 @@ def with_default(cls: type, name: str, default: Any) -> Any:
     default differs (PPO's learning rate)."""
     original = next(f for f in dataclasses.fields(cls) if f.name == name)
     return field(default=default, metadata=original.metadata)
+
+
+def reward_token_pair(value: str | Sequence[str], field: str = "reward_tokens") -> tuple[str, str]:
+    """A PRM's two label tokens, ``"positive,negative"`` (or a pair), as ``(positive, negative)``: the one parser of
+    the setting for the flat reward scripts, the data readers and PPO's PRM reward (each checks at config time)."""
+    tokens = [t.strip() for t in value.split(",")] if isinstance(value, str) else list(value)
+    if len(tokens) != 2 or not all(isinstance(t, str) and t for t in tokens) or tokens[0] == tokens[1]:
+        raise UserError(
+            f"{field} must be two different tokens 'positive,negative' (the positive label first, e.g. \"+,-\"), "
+            f"got {value!r}"
+        )
+    return tokens[0], tokens[1]

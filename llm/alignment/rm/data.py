@@ -26,7 +26,7 @@ from llm.data.tokenize import (
 )
 from llm.settings.flat import DataArgument
 from llm.settings.reward import RewardModelArgument
-from llm.utils.errors import UserError
+from llm.settings.shared import reward_token_pair
 
 CANDIDATE = 2  # readout_part of an ORM best-of-N candidate's one readout (a pair's: 0 chosen, 1 rejected)
 ORM_STEP_JOIN = "\n"  # an ORM candidate's steps joined as the bundled pairs join a solution's steps
@@ -34,12 +34,7 @@ ORM_STEP_JOIN = "\n"  # an ORM candidate's steps joined as the bundled pairs joi
 
 def reward_tokens(model_args: RewardModelArgument) -> tuple[str, str]:
     """``reward_tokens`` as ``(positive, negative)``: how a PRM's step labels are written."""
-    tokens = tuple(t.strip() for t in model_args.reward_tokens.split(","))
-    if len(tokens) != 2 or not all(tokens) or tokens[0] == tokens[1]:
-        raise UserError(
-            f"reward_tokens must be two different tokens 'positive,negative', got {model_args.reward_tokens!r}"
-        )
-    return tokens  # type: ignore[return-value]
+    return reward_token_pair(model_args.reward_tokens)
 
 
 def orm_candidate_text(steps: list[str]) -> str:

@@ -13,6 +13,7 @@ from llm.data.readers.prompts import parse_prompt
 from llm.data.readers.records import FORMATS, KINDS, Record
 from llm.data.readers.sft import parse_sft
 from llm.data.readers.sources import RecordPlace, check_map_keys, detect_format, iter_raw, rename
+from llm.settings.shared import reward_token_pair
 from llm.utils.errors import UserError, closest
 
 
@@ -65,13 +66,7 @@ def check_kind(kind: str) -> str:
 
 
 def check_reward_tokens(reward_tokens: str | Sequence[str]) -> tuple[str, str]:
-    tokens = reward_tokens.split(",") if isinstance(reward_tokens, str) else list(reward_tokens)
-    if len(tokens) != 2 or not all(isinstance(t, str) and t for t in tokens) or tokens[0] == tokens[1]:
-        raise UserError(
-            f"reward_tokens {reward_tokens!r} is invalid: give exactly two different non-empty tokens, "
-            'first positive then negative, e.g. "+,-"'
-        )
-    return tokens[0], tokens[1]
+    return reward_token_pair(reward_tokens)
 
 
 def check_placeholder(placeholder: str) -> str:

@@ -27,7 +27,7 @@ from llm.alignment.rm.loss import step_scores
 from llm.data.packing import causal_example
 from llm.data.tokenize import prm_response_ids, single_token_id
 from llm.settings.registry import PRM_AGGREGATIONS
-from llm.utils.errors import UserError
+from llm.settings.shared import reward_token_pair
 from llm.utils.modeling import load_tokenizer
 
 if TYPE_CHECKING:
@@ -173,9 +173,7 @@ class PRMReward(RewardFunction):
     @classmethod
     def from_config(cls, c: PPOConfig, place: Place) -> PRMReward:
         r, tok = c.reward, reward_tokenizer(c)
-        tokens = [t.strip() for t in r.reward_tokens.split(",")]
-        if len(tokens) != 2:
-            raise UserError(f"reward.reward_tokens must be 'positive,negative', got {r.reward_tokens!r}")
+        tokens = reward_token_pair(r.reward_tokens, "reward.reward_tokens")
         ids = (
             single_token_id(tok, tokens[0], "reward.reward_tokens"),
             single_token_id(tok, tokens[1], "reward.reward_tokens"),
