@@ -12,8 +12,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from llm.alignment.dpo.build import build_dpo_trainer
-from llm.alignment.runner import output_dir_guard, train_and_evaluate
 from llm.settings.dpo import DPO_ARGUMENT_TYPES
 from llm.settings.flat import validate_arguments
 from llm.settings.load import parse_arguments
@@ -25,6 +23,10 @@ def main(argv: list[str] | None = None) -> None:
     model_args, data_args, training_args = parse_arguments(sys.argv[1:] if argv is None else argv, DPO_ARGUMENT_TYPES)
     validate_arguments(model_args, data_args, training_args)
     setup_logging(training_args)
+    # the model code only now: a config or path error above shows in seconds, before these heavy imports
+    from llm.alignment.dpo.build import build_dpo_trainer
+    from llm.alignment.runner import output_dir_guard, train_and_evaluate
+
     with output_dir_guard(data_args, training_args):
         trainer, _train, dev = build_dpo_trainer(model_args, data_args, training_args)
         train_and_evaluate(trainer, data_args, training_args, dev.records if dev else [])

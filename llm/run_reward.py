@@ -9,8 +9,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from llm.alignment.rm.build import build_reward_trainer
-from llm.alignment.runner import output_dir_guard, train_and_evaluate
 from llm.settings.dialects.paddle import PADDLE_REWARD_NAMES
 from llm.settings.flat import validate_arguments
 from llm.settings.load import parse_arguments
@@ -24,6 +22,10 @@ def main(argv: list[str] | None = None) -> None:
     model_args, data_args, training_args = parse_arguments(argv, REWARD_ARGUMENT_TYPES, paddle=PADDLE_REWARD_NAMES)
     validate_arguments(model_args, data_args, training_args)
     setup_logging(training_args)
+    # the model code only now: a config or path error above shows in seconds, before these heavy imports
+    from llm.alignment.rm.build import build_reward_trainer
+    from llm.alignment.runner import output_dir_guard, train_and_evaluate
+
     with output_dir_guard(data_args, training_args):
         trainer, _, dev = build_reward_trainer(model_args, data_args, training_args)
         train_and_evaluate(trainer, data_args, training_args, dev.records if dev else [])

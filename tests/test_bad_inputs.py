@@ -211,7 +211,7 @@ def test_dangling_and_looping_symlinks_as_data_paths_are_said_as_such(tmp_path, 
     loop.symlink_to(loop)
     dangling.symlink_to(tmp_path / "gone.jsonl")
     err = exits_2(reward_main, [flat_config(tmp_path, "reward", train_dataset_path=str(loop))], capsys)
-    assert f"{loop} is a loop of symbolic links" in err, err
+    assert f"train_dataset_path '{loop}' is a loop of symbolic links" in err, err  # named before any model loads
     err = exits_2(reward_main, [flat_config(tmp_path, "reward", train_dataset_path=str(dangling))], capsys)
     assert f"is a symbolic link to {str(tmp_path / 'gone.jsonl')!r}, which does not exist" in err, err
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from llm.settings.dialects.mindspeed.files import load_yaml
 from llm.utils.errors import UserError
-from llm.utils.paths import resolve_input_path, tried
+from llm.utils.paths import nearest_hint, resolve_input_path, tried
 
 JSON_EXTENSIONS = (".json",)
 LAUNCH_SCRIPT_EXTENSIONS = (".sh",)  # an OpenLLaMA2 / OpenRLHF launch script (dialects/openrlhf.py)
@@ -45,7 +45,7 @@ def read_config_file(path: str, script: str, extensions: tuple[str, ...], usage:
         return ConfigFile(read_launch_script(path, script, notes), path, path, notes)
     found = resolve_input_path(path)
     if found is None:
-        raise UserError(f"{path}: no such file (looked in: {tried(path)})")
+        raise UserError(f"{path}: no such file (looked in: {tried(path)}){nearest_hint(path)}")
     try:
         with open(found, encoding="utf-8") as f:
             text = f.read()

@@ -17,6 +17,7 @@ import transformers
 from llm.settings.shared import LoraFields, OptimizerFields
 from llm.utils.distributed import Layout, has_accelerator, parse_layout
 from llm.utils.errors import UserError
+from llm.utils.paths import resolve_paths
 from llm.utils.rundir import check_output_dir
 
 
@@ -277,6 +278,10 @@ def validate_arguments(model_args: ModelArgument, data_args: DataArgument, train
                 "learning_rate is 0: training would change nothing; give a positive learning_rate, or set do_train "
                 "false to only evaluate"
             )
+    source = getattr(training_args, "config_source", "config")
+    for name, read in (("train_dataset_path", training_args.do_train), ("dev_dataset_path", training_args.do_eval)):
+        if read and getattr(data_args, name):  # a missing data file stops here, before any model loads
+            resolve_paths(getattr(data_args, name), name, source)
     check_output_dir(training_args.output_dir)  # a file there or an unwritable directory: stop now, not at a save
     if data_args.benchmark or data_args.autotuner_benchmark:
         training_args.do_eval = False

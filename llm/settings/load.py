@@ -66,6 +66,7 @@ def parse_arguments(
     for args in parsed:
         if isinstance(args, TrainingArguments):
             args.config_notes = notes
+            object.__setattr__(args, "config_source", path)  # for later messages; not a field, not fingerprinted
     return tuple(parsed)
 
 

@@ -8,6 +8,7 @@ is used. Outputs (``output_dir``) stay relative to the working directory.
 
 from __future__ import annotations
 
+import difflib
 import errno
 import os
 
@@ -46,7 +47,24 @@ def missing_reason(value: str) -> str:
                 if err.errno == errno.ELOOP:
                     return f"is a loop of symbolic links ({candidate})"
             return f"is a symbolic link to {os.readlink(candidate)!r}, which does not exist ({candidate})"
-    return f"does not exist (looked in: {tried(value)})"
+    return f"does not exist (looked in: {tried(value)}){nearest_hint(value)}"
+
+
+def nearest_hint(value: str) -> str:
+    """``; did you mean 'x'?`` for the existing file or directory whose name is nearest to ``value``'s, beside
+    where it was looked for (a typo such as ``prm_trian.jsonl``); empty when nothing is near."""
+    folder, name = os.path.split(value)
+    bases = [""] if os.path.isabs(value) else search_dirs()
+    for base in bases:
+        directory = os.path.join(base, folder) if base else folder
+        try:
+            names = os.listdir(directory or ".")
+        except OSError:
+            continue
+        match = difflib.get_close_matches(name, names, n=1, cutoff=0.75)
+        if match:
+            return f"; did you mean {os.path.join(folder, match[0])!r}?"
+    return ""
 
 
 def tried(value: str) -> str:
@@ -65,10 +83,7 @@ def resolve_paths(value: str, field: str, where: str, *, required: bool = True) 
         found = resolve_input_path(part) if part else None
         if found is None:
             if required:
-                raise UserError(
-                    f"{where}: {field} {part!r} {missing_reason(part)}; relative paths are "
-                    "read from the working directory or the repository root"
-                )
+                raise UserError(f"{where}: {field} {part!r} {missing_reason(part)}")
             found = part
         parts.append(found)
     return ",".join(parts)
