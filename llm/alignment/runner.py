@@ -102,4 +102,16 @@ def train_and_evaluate(trainer, data_args: DataArgument, training_args: Training
         results.update(overlong_results(data_args))  # records skipped as too long, per split
     if trainer.is_world_process_zero() and results:
         write_json(os.path.join(out, "all_results.json"), results)
+        logger.info("results (%s): %s", os.path.join(out, "all_results.json"), summary_line(results))
     return results
+
+
+SUMMARY_SKIPPED = ("runtime", "per_second", "flos")  # speed figures: in all_results.json, not the one line
+
+
+def summary_line(results: dict) -> str:
+    """The run's results as one line (the process of rank 0 prints it once, under torchrun too)."""
+    shown = {
+        k: v for k, v in sorted(results.items()) if isinstance(v, (int, float)) and not k.endswith(SUMMARY_SKIPPED)
+    }
+    return ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in shown.items())

@@ -8,6 +8,7 @@ to change, instead of being silently ignored.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -213,6 +214,11 @@ class TrainingArguments(OptimizerFields, transformers.TrainingArguments):
             self.use_cpu = True
         # Our collators build typed packed batches; HF must not drop "unused" columns.
         self.remove_unused_columns = False
+        if self.disable_tqdm is None and not sys.stderr.isatty():
+            self.disable_tqdm = True  # a log file gets the logged steps, not 100s of KB of carriage returns
+        if self.ddp_find_unused_parameters is None:
+            # every trained parameter takes part in each loss here: DDP's search (and its warning) is not needed
+            self.ddp_find_unused_parameters = False
         try:
             super().__post_init__()
         except ValueError as err:

@@ -30,10 +30,19 @@ class CurrentStderrHandler(logging.StreamHandler):
         pass
 
 
+class UntrueLines(logging.Filter):
+    """Drops transformers' lines that are not true of our runs: "Training completed. Do not forget to share your
+    model" is logged by ``Trainer.train`` even when a signal stopped it (our runner prints the real outcome)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Training completed. Do not forget to share" not in str(record.msg)
+
+
 def configure_logging(level: int) -> None:
     """One root handler for our loggers and transformers' (which otherwise keeps its own handler)."""
     handler = CurrentStderrHandler()
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    handler.addFilter(UntrueLines())
     logging.basicConfig(level=level, handlers=[handler], force=True)
     transformers.utils.logging.set_verbosity(level)
     transformers.utils.logging.disable_default_handler()

@@ -1,0 +1,53 @@
+"""What a run prints is true: no "Training completed" line from transformers after a stop, the results once at the
+end (the process of rank 0), no progress bars into a log file, no DDP search for unused parameters (and its
+warning) that our losses never need."""
+
+from __future__ import annotations
+
+import logging
+import types
+
+from llm.alignment.runner import summary_line, train_and_evaluate
+from llm.settings.flat import DataArgument, TrainingArguments
+from llm.utils.logging import configure_logging
+
+
+def test_transformers_training_completed_line_is_dropped(capsys):
+    configure_logging(logging.INFO)
+    trainer_logger = logging.getLogger("transformers.trainer")
+    trainer_logger.info("\n\nTraining completed. Do not forget to share your model on huggingface.co/models =)\n\n")
+    trainer_logger.info("a line that stays")
+    err = capsys.readouterr().err
+    assert "Training completed" not in err and "a line that stays" in err
+
+
+def test_progress_bars_off_without_a_terminal_and_no_ddp_unused_search(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none")  # pytest's stderr is not a terminal
+    assert args.disable_tqdm is True and args.ddp_find_unused_parameters is False
+    chosen = TrainingArguments(
+        output_dir=str(tmp_path), report_to="none", disable_tqdm=False, ddp_find_unused_parameters=True
+    )
+    assert chosen.disable_tqdm is False and chosen.ddp_find_unused_parameters is True
+
+
+def test_summary_line_by_hand():
+    line = summary_line({"eval_loss": 0.123456, "epoch": 2, "train_runtime": 9.5, "eval_samples_per_second": 3.0})
+    assert line == "epoch 2, eval_loss 0.1235"
+
+
+def test_results_are_printed_once_at_the_end(tmp_path, caplog):
+    """An evaluation-only run: the metrics go to eval_results.json / all_results.json and one log line."""
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", do_train=False, do_eval=True)
+    trainer = types.SimpleNamespace(
+        evaluate_with_outputs=lambda: ({"eval_loss": 0.5, "eval_accuracy": 0.75}, []),
+        is_world_process_zero=lambda: True,
+    )
+    with caplog.at_level(logging.INFO, logger="llm.alignment.runner"):
+        train_and_evaluate(trainer, DataArgument(), args, [])
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("results (")]
+    assert lines == [f"results ({tmp_path}/all_results.json): eval_accuracy 0.75, eval_loss 0.5"]
+    not_main = types.SimpleNamespace(**{**vars(trainer), "is_world_process_zero": lambda: False})
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="llm.alignment.runner"):
+        train_and_evaluate(not_main, DataArgument(), args, [])
+    assert not [r for r in caplog.records if r.getMessage().startswith("results (")]
