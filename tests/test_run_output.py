@@ -51,3 +51,50 @@ def test_results_are_printed_once_at_the_end(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="llm.alignment.runner"):
         train_and_evaluate(not_main, DataArgument(), args, [])
     assert not [r for r in caplog.records if r.getMessage().startswith("results (")]
+
+
+def test_no_initialised_randomly_line_before_a_resume(caplog):
+    """A config-built model of a resumed run takes its checkpoint's weights at once: the log says that, not
+    "initialised randomly"; a fresh run still says how its random weights were made."""
+    from transformers import AutoModelForCausalLM
+
+    from llm.utils.modeling import RESUMING, load_model
+    from tests.helpers import ROOT
+
+    tiny_llama = f"{ROOT}/llm/assets/tiny-llama"
+
+    with caplog.at_level(logging.INFO, logger="llm.utils.modeling"):
+        load_model(AutoModelForCausalLM, tiny_llama, init_from_config=True, seed=1)
+        token = RESUMING.set(True)
+        try:
+            load_model(AutoModelForCausalLM, tiny_llama, init_from_config=True, seed=1)
+        finally:
+            RESUMING.reset(token)
+    lines = [r.getMessage() for r in caplog.records if r.name == "llm.utils.modeling"]
+    assert "randomly" in lines[0] and "(seed 1)" in lines[0]
+    assert "randomly" not in lines[1] and "checkpoint resumed" in lines[1]
+
+
+def test_the_recipe_marks_a_resuming_build(tmp_path, monkeypatch):
+    from llm.alignment import recipe as recipe_module
+    from llm.alignment.sft.build import build_sft_trainer
+    from llm.settings.load import parse_arguments
+    from tests.helpers import ROOT
+
+    seen = []
+
+    def stop(self, tokenizer):
+        seen.append(recipe_module.RESUMING.get())
+        raise RuntimeError("stop after the model step")
+
+    monkeypatch.setattr(recipe_module.Recipe, "load_model", stop)
+    monkeypatch.chdir(ROOT)
+    for resume in ("false", "auto"):
+        args = parse_arguments(
+            ["llm/config/tiny/sft_argument.json", "--output_dir", str(tmp_path), "--resume_from_checkpoint", resume]
+        )
+        try:
+            build_sft_trainer(*args)
+        except RuntimeError:
+            pass
+    assert seen == [False, True]

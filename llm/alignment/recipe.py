@@ -31,7 +31,7 @@ from llm.data.tokenize import resolve_chat_template
 from llm.settings.flat import DataArgument, ModelArgument, TrainingArguments, recompute_mode
 from llm.utils.attention import kernel_for
 from llm.utils.lora import apply_lora, check_lora_arguments, quantization_config
-from llm.utils.modeling import count_parameters, load_tokenizer
+from llm.utils.modeling import RESUMING, count_parameters, load_tokenizer
 from llm.utils.preemption import SaveOnSignal
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,12 @@ def build_trainer(recipe: Recipe) -> tuple[AlignmentTrainer, PackedData | None, 
     # the effective choice, for the encoders and the run fingerprint (which reads data_args)
     data_args.use_chat_template = resolve_chat_template(data_args.use_chat_template, tokenizer)
     recipe.prepare_tokenizer(tokenizer)
-    model = recipe.load_model(tokenizer)
+    resume = str(training_args.resume_from_checkpoint or "").lower() not in ("", "false", "none")
+    token = RESUMING.set(resume and training_args.do_train)
+    try:
+        model = recipe.load_model(tokenizer)
+    finally:
+        RESUMING.reset(token)
     if model_args.lora:
         model = apply_lora(model, model_args, recipe.lora_task, recipe.lora_head_rows())
     objects = recipe.model_objects(model, tokenizer)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import json
 import logging
@@ -95,6 +96,11 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+# set while a run that resumes a checkpoint builds its model (llm/alignment/recipe.py): a config-built model's
+# random weights are then replaced at once, and the log says so instead of "initialised randomly"
+RESUMING: contextvars.ContextVar[bool] = contextvars.ContextVar("resuming", default=False)
+
+
 def load_model(
     auto_class: type,
     path: str,
@@ -151,7 +157,12 @@ def load_model(
                 f"init_from_config is true but {path} holds trained weights: set init_from_config false to load them"
             )
         model = auto_class.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
-        logger.info("initialised %s randomly from %s/config.json (seed %d)", type(model).__name__, path, seed)
+        if RESUMING.get():  # random weights only until the checkpoint's replace them: not worth a line saying so
+            logger.info(
+                "built %s from %s/config.json; its weights come from the checkpoint resumed", type(model).__name__, path
+            )
+        else:
+            logger.info("initialised %s randomly from %s/config.json (seed %d)", type(model).__name__, path, seed)
     else:
         if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in WEIGHT_FILES):
             raise UserError(
