@@ -25,6 +25,8 @@ def config(tmp_path, name="prm_argument.json", **overrides):
     for key in ("model_name_or_path", "tokenizer_name_or_path", "train_dataset_path", "dev_dataset_path"):
         if not os.path.isabs(cfg[key]):
             cfg[key] = os.path.join(ROOT, cfg[key])
+    if overrides.get("do_train") is False and cfg.get("init_from_config"):
+        cfg["eval_random_init"] = True  # these tests evaluate the random tiny model on purpose
     cfg.update(
         output_dir=str(tmp_path / "out"),
         disable_tqdm=True,

@@ -63,3 +63,17 @@ def test_the_error_comes_before_the_model_code_is_imported():
     )
     assert "exit 2 False False" in done.stdout, done.stdout + done.stderr
     assert "did you mean 'llm/data/sample/prm_train.jsonl'?" in done.stderr
+
+
+def test_evaluating_a_random_model_needs_an_explicit_request(monkeypatch):
+    """The README's evaluation-only command once evaluated the tiny config's random model (F1 0) and wrote over the
+    trained demo's results; now it stops, naming the fix, unless eval_random_init asks for a random baseline."""
+    monkeypatch.chdir(ROOT)
+    cli = [PRM, "--do_train", "false", "--do_eval", "true", "--output_dir", "/tmp/unused_eval"]
+    with pytest.raises(UserError, match=r"prm_argument.json: an evaluation-only run .* random weights .*--init_from"):
+        validate_arguments(*parse_arguments(cli, REWARD_ARGUMENT_TYPES))
+    validate_arguments(*parse_arguments([*cli, "--eval_random_init", "true"], REWARD_ARGUMENT_TYPES))
+    trained = [*cli, "--model_name_or_path", "llm/assets/tiny-llama", "--init_from_config", "false"]
+    model_args, data_args, training_args = parse_arguments(trained, REWARD_ARGUMENT_TYPES)
+    validate_arguments(model_args, data_args, training_args)  # weights come from the checkpoint: no objection
+    assert training_args.do_eval and not training_args.do_train

@@ -44,6 +44,7 @@ _EXCLUDED = {
     "benchmark",
     "autotuner_benchmark",
     "lora_merge",  # what is saved at the end, not what is trained
+    "eval_random_init",  # evaluation only
 }
 
 # transformers.TrainingArguments fields that change what is trained (an allow-list: its many other fields

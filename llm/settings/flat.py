@@ -37,6 +37,13 @@ class ModelArgument(LoraFields):
             "model_name_or_path instead of loading weights. For tests and the bundled tiny demo."
         },
     )
+    eval_random_init: bool = field(
+        default=False,
+        metadata={
+            "help": "Allow an evaluation-only run (do_train false) of a model built with random weights "
+            "(init_from_config true), e.g. a baseline; without it such a run stops: it would measure nothing."
+        },
+    )
     use_flash_attention: bool = field(
         default=False, metadata={"help": "CUDA only: flash-attn varlen kernel for packed rows (needs flash-attn)."}
     )
@@ -285,6 +292,14 @@ def validate_arguments(model_args: ModelArgument, data_args: DataArgument, train
                 "false to only evaluate"
             )
     source = getattr(training_args, "config_source", "config")
+    evaluates_only = training_args.do_eval and not training_args.do_train
+    if evaluates_only and model_args.init_from_config and not model_args.eval_random_init:
+        raise UserError(
+            f"{source}: an evaluation-only run (do_train false) of a model with random weights (init_from_config "
+            f"true) would measure nothing: evaluate a trained model with --model_name_or_path DIR "
+            f"--init_from_config false (the tiny demo's: its output_dir), or set eval_random_init true for a "
+            f"random baseline on purpose"
+        )
     for name, read in (("train_dataset_path", training_args.do_train), ("dev_dataset_path", training_args.do_eval)):
         if read and getattr(data_args, name):  # a missing data file stops here, before any model loads
             resolve_paths(getattr(data_args, name), name, source)
