@@ -1,6 +1,6 @@
 """The OpenLLaMA2 workflow on the bundled tiny default: SFT -> reward model (ORM) -> PPO, then a report.
 
-    python llm/run_pipeline.py [--output_dir output/pipeline] [--ppo_steps 30]
+    python llm/run_pipeline.py [--output_dir output/pipeline] [--ppo_steps 30] [--overwrite]
 
 Each stage is the ordinary entry point with the tiny config and a few overrides, so this is also a
 recipe for real models: swap the configs. The report compares the SFT and PPO policies' greedy
@@ -24,7 +24,7 @@ from llm.alignment.ppo.roles import PolicyModel
 from llm.alignment.ppo.rules import math_exact_match
 from llm.data.readers import read_records
 from llm.utils.attention import PACKED_SDPA
-from llm.utils.errors import run_cli
+from llm.utils.errors import UserError, run_cli
 from llm.utils.modeling import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,20 +87,35 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="output/pipeline")
     parser.add_argument("--ppo_steps", type=int, default=30)
+    parser.add_argument(
+        "--overwrite", action="store_true", help="run again over an output_dir that holds an earlier pipeline's run"
+    )
     args = parser.parse_args(argv)
     out = os.path.abspath(args.output_dir)
+    earlier = [d for d in ("sft_before", "sft", "rm", "ppo") if os.path.isdir(os.path.join(out, d))]
+    if earlier and not args.overwrite:
+        raise UserError(
+            f"--output_dir {args.output_dir} holds an earlier pipeline run ({', '.join(earlier)}): add --overwrite to "
+            "run again there (files of the same name are written over), or give another --output_dir"
+        )
     os.makedirs(out, exist_ok=True)
+    again = {"overwrite_output_dir": True} if args.overwrite else {}
     sft_dir, rm_dir, ppo_dir = (os.path.join(out, d) for d in ("sft", "rm", "ppo"))
 
     # 1. SFT, with an evaluation of the untrained model first ("before").
     run_finetune.main(
         [
             _config(
-                "sft_argument.json", out, output_dir=os.path.join(out, "sft_before"), do_train=False, report_to="none"
+                "sft_argument.json",
+                out,
+                output_dir=os.path.join(out, "sft_before"),
+                do_train=False,
+                report_to="none",
+                eval_random_init=True,  # the untrained (random) model, on purpose: the "before" figure
             )
         ]
     )
-    run_finetune.main([_config("sft_argument.json", out, output_dir=sft_dir, save_strategy="no")])
+    run_finetune.main([_config("sft_argument.json", out, output_dir=sft_dir, save_strategy="no", **again)])
     # 2. Outcome reward model from the SFT model (its backbone; a new score head).
     run_reward.main(
         [
@@ -112,13 +127,14 @@ def main(argv: list[str] | None = None) -> None:
                 init_from_config=False,
                 output_dir=rm_dir,
                 save_strategy="no",
+                **again,
             )
         ]
     )
     # 3. PPO: actor and reference from SFT, critic and reward from the reward model.
     train_prompts, held_out = split_prompts(out)
     ppo = _json(os.path.join(TINY, "ppo_argument.json"))
-    ppo["training"].update(output_dir=ppo_dir, max_steps=args.ppo_steps, save_steps=0, disable_tqdm=True)
+    ppo["training"].update(output_dir=ppo_dir, max_steps=args.ppo_steps, save_steps=0, disable_tqdm=True, **again)
     ppo["actor_rollout"].update(
         model_name_or_path=sft_dir,
         tokenizer_name_or_path=sft_dir,

@@ -77,3 +77,13 @@ def test_evaluating_a_random_model_needs_an_explicit_request(monkeypatch):
     model_args, data_args, training_args = parse_arguments(trained, REWARD_ARGUMENT_TYPES)
     validate_arguments(model_args, data_args, training_args)  # weights come from the checkpoint: no objection
     assert training_args.do_eval and not training_args.do_train
+
+
+def test_run_pipeline_again_names_its_own_option(tmp_path):
+    """A second run_pipeline.py over the same output_dir used to stop inside a stage, advising settings that the
+    pipeline does not accept; it now stops at once naming its own --overwrite."""
+    from llm.run_pipeline import main as pipeline
+
+    (tmp_path / "sft").mkdir()
+    with pytest.raises(UserError, match=r"holds an earlier pipeline run \(sft\): add --overwrite"):
+        pipeline(["--output_dir", str(tmp_path)])
