@@ -98,3 +98,13 @@ def test_the_recipe_marks_a_resuming_build(tmp_path, monkeypatch):
         except RuntimeError:
             pass
     assert seen == [False, True]
+
+
+def test_data_summary_and_step_pad_ratio_say_what_they_measure():
+    """The data summary's figure is the rows' fill of max_seq_len (packing quality); the steps' pad_ratio is the
+    padding actually computed (rows padded to each batch's longest). The summary names both, so a 1.2% there
+    and a 0 at every step (one row per batch) no longer read as a contradiction."""
+    from llm.data.packing import PackStats
+
+    text = PackStats(examples=10, rows=2, real_tokens=90, capacity=100).summary("greedy", 50)
+    assert "90 real tokens fill 90.0% of rows x max_seq_len" in text and "pad_ratio is the padding computed" in text

@@ -182,7 +182,8 @@ class PackStats:
     def summary(self, strategy: str | None, max_len: int) -> str:
         return (
             f"packing={strategy or 'none'} max_seq_len={max_len}: {self.examples} examples -> {self.rows} rows, "
-            f"{self.real_tokens} real tokens, pad ratio {self.pad_ratio:.1%}"
+            f"{self.real_tokens} real tokens fill {1 - self.pad_ratio:.1%} of rows x max_seq_len (the steps' "
+            "pad_ratio is the padding computed: each batch's rows padded to its longest)"
         )
 
 
