@@ -108,3 +108,16 @@ def test_data_summary_and_step_pad_ratio_say_what_they_measure():
 
     text = PackStats(examples=10, rows=2, real_tokens=90, capacity=100).summary("greedy", 50)
     assert "90 real tokens fill 90.0% of rows x max_seq_len" in text and "pad_ratio is the padding computed" in text
+
+
+def test_whole_run_results_after_a_resume():
+    from llm.alignment.runner import whole_run_results
+
+    history = [
+        {"loss": 4.0, "step": 1},
+        {"loss": 2.0, "step": 2},
+        {"eval_loss": 9.0, "step": 2},
+        {"loss": 0.0, "step": 3},
+    ]
+    assert whole_run_results(history, "out/checkpoint-2") == {"train_resumed_from": 2, "train_loss_whole_run": 2.0}
+    assert whole_run_results([], "out/checkpoint-10/") == {"train_resumed_from": 10}

@@ -75,7 +75,8 @@ def train_and_evaluate(trainer, data_args: DataArgument, training_args: Training
     out = training_args.output_dir
     results: dict = {}
     if training_args.do_train:
-        result = trainer.train(resume_from_checkpoint=resume_checkpoint(training_args))
+        resumed = resume_checkpoint(training_args)
+        result = trainer.train(resume_from_checkpoint=resumed)
         if trainer.stopped_by_signal:  # checkpoint saved: say so (Ctrl-C: exit 130 from here)
             step = trainer.state.global_step
             checkpoint = os.path.join(out, f"checkpoint-{step}")
@@ -92,6 +93,8 @@ def train_and_evaluate(trainer, data_args: DataArgument, training_args: Training
         elif not (data_args.benchmark or data_args.autotuner_benchmark):
             save_final_model(trainer, out)
         results.update({f"train_{k}" if not k.startswith("train") else k: v for k, v in result.metrics.items()})
+        if resumed:  # transformers' train_* figures cover the steps after the resume: the whole run's beside them
+            results.update(whole_run_results(trainer.state.log_history, resumed))
     if training_args.do_eval:
         metrics, examples = trainer.evaluate_with_outputs()
         results.update(metrics)
@@ -104,6 +107,18 @@ def train_and_evaluate(trainer, data_args: DataArgument, training_args: Training
         write_json(os.path.join(out, "all_results.json"), results)
         logger.info("results (%s): %s", os.path.join(out, "all_results.json"), summary_line(results))
     return results
+
+
+def whole_run_results(log_history: list[dict], resumed: str) -> dict:
+    """``train_loss_whole_run`` (the mean of every logged training loss, from step 1, the resumed checkpoint's
+    log included) and ``train_resumed_from`` (its step), named apart from transformers' ``train_loss`` /
+    ``train_runtime``, which cover only the steps this process ran."""
+    losses = [h["loss"] for h in log_history if "loss" in h and "eval_loss" not in h]
+    step = int(resumed.rstrip("/").rpartition("-")[2]) if resumed.rstrip("/").rpartition("-")[2].isdigit() else None
+    out: dict = {"train_resumed_from": step}
+    if losses:
+        out["train_loss_whole_run"] = sum(losses) / len(losses)
+    return out
 
 
 SUMMARY_SKIPPED = ("runtime", "per_second", "flos")  # speed figures: in all_results.json, not the one line
