@@ -30,11 +30,11 @@ def _interrupt(signum, frame) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    model_args, _data_args, training_args, serve_args = parse_arguments(
+    model_args, data_args, training_args, serve_args = parse_arguments(
         argv, (*REWARD_ARGUMENT_TYPES, ServeArgument), paddle=PADDLE_REWARD_NAMES
     )
     setup_logging(training_args)
-    scorer = build_scorer(model_args, training_args, serve_args)
+    scorer = build_scorer(model_args, training_args, serve_args, data_args.max_seq_len)
     server = make_server(scorer, serve_args)
     host, port = server.server_address[:2]
     signal.signal(signal.SIGTERM, _interrupt)

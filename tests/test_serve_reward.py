@@ -49,11 +49,12 @@ def running(tmp_path):
     def start(process_reward: bool, **serve):
         model_dir = save_model(tmp_path / f"rm_{process_reward}", process_reward)
         flags = [x for k, v in serve.items() for x in (f"--{k}", str(v))]
-        model_args, _, training_args, serve_args = parse_arguments(
+        model_args, data_args, training_args, serve_args = parse_arguments(
             [reward_config(tmp_path, model_dir, process_reward), "--port", "0", *flags],
             (*REWARD_ARGUMENT_TYPES, ServeArgument),
         )
-        server = make_server(build_scorer(model_args, training_args, serve_args), serve_args)
+        scorer = build_scorer(model_args, training_args, serve_args, data_args.max_seq_len)  # as serve_reward.py
+        server = make_server(scorer, serve_args)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
         return server, model_dir
@@ -172,3 +173,19 @@ def test_serve_argument_checks():
 
     with pytest.raises(UserError, match="prm_aggregation must be one of min, last, mean"):
         ServeArgument(prm_aggregation="dense")
+
+
+def test_a_deep_body_and_an_overlong_sample_get_a_400_not_a_dropped_connection(running):
+    """A deeply nested JSON body raised RecursionError (a traceback, the connection dropped); a 1 MB prompt was scored
+    past the config's max_seq_len, holding the scoring lock for a minute. Both are a 400 naming the problem now, and
+    the server goes on serving."""
+    server, _ = running(process_reward=False)
+    deep = b"[" * 100000 + b"]" * 100000
+    status, answer = request(server, "POST", "/", deep, {"Content-Length": str(len(deep))})
+    assert status == 400 and "nests too deeply" in answer["error"]
+    long = json.dumps({"prompts": ["1 + 1 = " * 2000], "responses": ["2"]}).encode()
+    status, answer = request(server, "POST", "/", long, {"Content-Length": str(len(long))})
+    assert status == 400 and "over max_seq_len=" in answer["error"], answer
+    ok = json.dumps({"prompts": ["1 + 1 ="], "responses": ["2"]}).encode()
+    status, answer = request(server, "POST", "/", ok, {"Content-Length": str(len(ok))})
+    assert status == 200 and len(answer["scores"]) == 1

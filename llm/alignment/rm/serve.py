@@ -73,6 +73,8 @@ def parse_request(body: bytes) -> tuple[list[str], list[str], list[str | None], 
         payload = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise BadRequest(f"the body is not UTF-8 JSON ({err})") from None
+    except RecursionError:
+        raise BadRequest("the body nests too deeply to be a scoring request") from None
     if not isinstance(payload, dict):
         raise BadRequest('the body must be a JSON object {"prompts": [...], "responses": [...]}')
     responses = _strings(payload, "responses", None)
@@ -87,8 +89,9 @@ def parse_request(body: bytes) -> tuple[list[str], list[str], list[str | None], 
 class RewardScorer:
     """Scores texts with a reward model the way PPO's in-process reward does."""
 
-    def __init__(self, reward, tokenizer, kind: str, model_path: str) -> None:
+    def __init__(self, reward, tokenizer, kind: str, model_path: str, max_tokens: int | None = None) -> None:
         self.reward, self.tokenizer, self.kind, self.model_path = reward, tokenizer, kind, model_path
+        self.max_tokens = max_tokens  # the config's max_seq_len: a longer prompt + response is refused (400)
         self.lock = threading.Lock()
 
     def samples(self, prompts, responses, references, ended):
@@ -109,6 +112,13 @@ class RewardScorer:
         if not responses:
             return {"scores": []}
         samples = self.samples(prompts, responses, references, ended)
+        if self.max_tokens is not None:
+            for i, (p, r) in enumerate(zip(samples.prompt_ids, samples.response_ids)):
+                if len(p) + len(r) > self.max_tokens:
+                    raise BadRequest(
+                        f"sample {i} is {len(p) + len(r)} tokens, over max_seq_len={self.max_tokens} of the server's "
+                        "config: shorten it (or serve with a larger max_seq_len)"
+                    )
         with self.lock:
             if self.kind == "orm":
                 return {"scores": self.reward.score(samples).scores.tolist()}
@@ -159,6 +169,8 @@ def make_handler(scorer: RewardScorer, args: ServeArgument):
                 return self._answer(400, {"error": str(err)})
             try:
                 self._answer(200, scorer.score(*request))
+            except BadRequest as err:
+                self._answer(400, {"error": str(err)})
             except Exception as err:  # the client gets the reason, the server keeps serving
                 logger.exception("scoring failed")
                 self._answer(500, {"error": f"{type(err).__name__}: {err}"})
@@ -188,8 +200,9 @@ def make_server(scorer: RewardScorer, args: ServeArgument) -> ThreadingHTTPServe
     return server
 
 
-def build_scorer(model_args, training_args, serve_args: ServeArgument) -> RewardScorer:
-    """The reward model of a reward config (``run_reward.py``'s fields) as PPO's ORM / PRM reward."""
+def build_scorer(model_args, training_args, serve_args: ServeArgument, max_tokens: int | None = None) -> RewardScorer:
+    """The reward model of a reward config (``run_reward.py``'s fields) as PPO's ORM / PRM reward; ``max_tokens``:
+    the longest prompt + response scored (the config's ``max_seq_len``)."""
     from llm.alignment.ppo.rewards import ORMReward, PRMReward
     from llm.alignment.rm.build import build_reward_model
     from llm.alignment.rm.data import reward_tokens
@@ -201,7 +214,8 @@ def build_scorer(model_args, training_args, serve_args: ServeArgument) -> Reward
     model.eval()
     path = model_args.model_name_or_path
     if not training_args.process_reward:
-        return RewardScorer(ORMReward(model, tokenizer, tokenizer, serve_args.micro_batch_size), tokenizer, "orm", path)
+        orm = ORMReward(model, tokenizer, tokenizer, serve_args.micro_batch_size)
+        return RewardScorer(orm, tokenizer, "orm", path, max_tokens)
     tokens = reward_tokens(model_args)
     ids = tuple(single_token_id(tokenizer, t, "reward_tokens") for t in tokens)
     placeholder = model_args.placeholder_token
@@ -216,4 +230,4 @@ def build_scorer(model_args, training_args, serve_args: ServeArgument) -> Reward
         serve_args.prm_aggregation,
         serve_args.micro_batch_size,
     )
-    return RewardScorer(prm, tokenizer, "prm", path)
+    return RewardScorer(prm, tokenizer, "prm", path, max_tokens)
