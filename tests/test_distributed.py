@@ -277,3 +277,24 @@ def test_best_model_at_end_comes_from_the_sharded_state(tmp_path):
     launch("prm", cfg)
     history = [h["eval_loss"] for h in read_json(out / "trainer_state.json")["log_history"] if "eval_loss" in h]
     assert read_json(out / "eval_results.json")["eval_loss"] == pytest.approx(min(history[:4]), rel=1e-6)
+
+
+def test_ranks_given_different_settings_stop_naming_them(tmp_path):
+    """Two torchrun processes, one given max_steps 2 and the other 6, used to hang for ever in a collective that only
+    one of them reached; now both stop at start-up (exit 2) naming the field and each rank's value."""
+    cfg = write_config(tmp_path, "sft", tmp_path / "out")
+    wrapper = tmp_path / "per_rank.py"
+    wrapper.write_text(
+        "import os, sys\n"
+        f"sys.path.insert(0, {ROOT!r})\n"
+        "from llm.run_finetune import main\n"
+        "from llm.utils.errors import run_cli\n"
+        "steps = '2' if os.environ['RANK'] == '0' else '6'\n"
+        "run_cli(main, [sys.argv[1], '--max_steps', steps])\n"
+    )
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    proc = subprocess.run(
+        [*launcher, str(wrapper), cfg], env=ENV, timeout=300, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode != 0
+    assert "different settings: max_steps (rank 0: '2', rank 1: '6')" in proc.stderr, proc.stderr[-3000:]

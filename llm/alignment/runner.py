@@ -34,7 +34,35 @@ def output_dir_guard(data_args: DataArgument, training_args: TrainingArguments):
         resume=training_args.resume_from_checkpoint,
         overwrite=training_args.overwrite_output_dir,
         trains=writes_model,
+        config=run_settings(data_args, training_args),
     )
+
+
+# the run's shape (when it stops, saves, evaluates, batches): with the fingerprint's fields, what every process
+# of one run must agree on
+RUN_SHAPE = (
+    "output_dir",
+    "do_train",
+    "do_eval",
+    "max_steps",
+    "num_train_epochs",
+    "save_strategy",
+    "save_steps",
+    "eval_strategy",
+    "eval_steps",
+    "logging_steps",
+    "per_device_train_batch_size",
+    "per_device_eval_batch_size",
+    "gradient_accumulation_steps",
+)
+
+
+def run_settings(data_args: DataArgument, training_args: TrainingArguments) -> dict:
+    """What every process of a run must have alike: the fingerprint's values and the run's shape."""
+    values = dict(training_fingerprint(training_args).values)
+    values.update({f"{name}": str(getattr(training_args, name, None)) for name in RUN_SHAPE})
+    values["dev_dataset_path"] = data_args.dev_dataset_path
+    return values
 
 
 def save_final_model(trainer, out: str) -> None:

@@ -271,6 +271,30 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def config_mismatch(config: dict | None) -> str | None:
+    """On rank 0: the fields on which any process's ``config`` differs from rank 0's (None: all agree, or one
+    process, or no process group). Every rank takes part (an all-gather)."""
+    import torch.distributed as dist
+
+    if config is None or not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    configs: list = [None] * dist.get_world_size()
+    dist.all_gather_object(configs, config)
+    differing = []
+    for rank, other in enumerate(configs[1:], start=1):
+        for key in sorted(set(configs[0]) | set(other)):
+            if configs[0].get(key) != other.get(key):
+                differing.append(f"{key} (rank 0: {configs[0].get(key)!r}, rank {rank}: {other.get(key)!r})")
+    if not differing:
+        return None
+    return (
+        "the processes of this run were given different settings: "
+        + "; ".join(differing[:8])
+        + ("; ..." if len(differing) > 8 else "")
+        + ": launch every rank with the same config file and overrides"
+    )
+
+
 def _share_outcome(error: str | None) -> str | None:
     """Rank 0's outcome (None or the error message) on every rank of the default process group."""
     import torch.distributed as dist
@@ -308,15 +332,18 @@ def run_guard(
     overwrite: bool = False,
     trains: bool = True,
     field: str = "output_dir",
+    config: dict | None = None,
 ) -> Iterator[None]:
     """The start-up checks and the lock for the life of a run (see the module's docstring). ``trains``: the run
     writes checkpoints and a model (a training run), so another run's results in ``output_dir`` are refused.
-    ``field``: the config's name of ``output_dir``, for the messages."""
+    ``field``: the config's name of ``output_dir``, for the messages. ``config``: this process's settings (field ->
+    JSON value); processes of one torchrun given different ones stop here, naming the fields, instead of hanging
+    later in a collective that only some of them reach."""
     with preemption.handle_signals():
         check_output_dir(output_dir, field)  # every rank: each writes its own shards
         lock = None
-        error = None
-        if _rank() == 0:
+        error = config_mismatch(config)
+        if _rank() == 0 and error is None:
             try:
                 lock = RunLock(output_dir).acquire()
                 if trains:
