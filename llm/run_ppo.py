@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
 from llm.settings.fingerprint import run_fingerprint
 from llm.settings.load import parse_ppo_config
-from llm.utils.checkpoints import latest_checkpoint
+from llm.utils.checkpoints import final_model_complete, latest_checkpoint
 from llm.utils.errors import run_cli
 from llm.utils.logging import configure_logging
 from llm.utils.rundir import run_guard
@@ -37,6 +37,11 @@ def main(argv: list[str] | None = None) -> None:
             trainer = build_ppo(config, prompts, roles)
             if resume:
                 trainer.load_checkpoint(resume)
+                if trainer.finished and not final_model_complete(t.output_dir, trainer.step):
+                    logging.getLogger("llm.run_ppo").warning(
+                        "%s: the final save did not finish: saving it", t.output_dir
+                    )
+                    trainer.save_final()
                 if trainer.finished:
                     logging.getLogger("llm.run_ppo").warning(
                         "%s is at step %d of training.max_steps=%d: the run is already complete, nothing to train "

@@ -68,3 +68,21 @@ def test_a_full_disk_while_saving_is_one_message(tmp_path, monkeypatch, capsys):
     assert f"error: no space left on device writing {out / FINAL_STAGING}" in err
     assert "resume_from_checkpoint auto" in err
     assert not (out / "model.safetensors").exists()
+
+
+def test_ppo_final_model_is_renamed_in_and_saved_again_when_cut(tmp_path, monkeypatch):
+    """PPO's final actor / critic go through output_dir/final.partial too: a final save that died before its rename
+    leaves no marker, and resuming the complete run saves them again instead of reporting success."""
+    from llm.run_ppo import main as ppo_main
+    from llm.utils.checkpoints import final_model_complete
+    from tests.test_ppo_run import config as ppo_config
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "ppo"
+    cfg = ppo_config(tmp_path, training={"save_steps": 2, "output_dir": str(out), "report_to": "none"})
+    ppo_main([cfg])
+    assert final_model_complete(str(out), 2) and (out / "actor" / "model.safetensors").exists()
+    assert not (out / FINAL_STAGING).exists()
+    os.remove(out / FINAL_MARKER)  # as if the save had died between writing the files and the marker
+    ppo_main([cfg, "--training.resume_from_checkpoint", "auto"])
+    assert final_model_complete(str(out), 2)  # the marker is back: the resumed run saved the final model again

@@ -446,9 +446,14 @@ class PPOTrainer:
         )
 
     def save_final(self) -> None:
-        self._save_models(self.c.training.output_dir, with_optimizer=False)
-        with open(os.path.join(self.c.training.output_dir, "log_history.json"), "w", encoding="utf-8") as f:
+        """Into output_dir/final.partial, then renamed in (``begin_final``): never a half-written final model."""
+        from llm.utils.checkpoints import begin_final, finish_final
+
+        staging = begin_final(self.c.training.output_dir, is_main=True)
+        self._save_models(staging, with_optimizer=False)
+        with open(os.path.join(staging, "log_history.json"), "w", encoding="utf-8") as f:
             json.dump(self.log_history, f, indent=1)
+        finish_final(self.c.training.output_dir, self.step)
 
     @property
     def finished(self) -> bool:
