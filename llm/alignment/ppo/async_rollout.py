@@ -54,16 +54,12 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from llm.alignment.ppo.records import Samples
 from llm.alignment.ppo.roles import PolicyModel
 from llm.utils.lora import is_peft_model
-
-if TYPE_CHECKING:
-    from llm.alignment.ppo.trainer import PPOTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +113,7 @@ class AsyncRollouts:
     """The trainer's rollouts while ``train`` runs with ``async_rollout``: ``take`` (the trainer's ``rollout``
     phase) and ``log_probs`` (its old log-probs); ``close`` gives the trainer its copy and engine back."""
 
-    def __init__(self, trainer: PPOTrainer) -> None:
+    def __init__(self, trainer) -> None:
         self.trainer, c = trainer, trainer.c
         self.max_staleness = c.actor_rollout.max_staleness
         self.need_forward = not trainer.reuses_rollout_log_probs

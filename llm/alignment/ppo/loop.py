@@ -5,18 +5,13 @@ step updates)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from llm.alignment.ppo.async_rollout import AsyncRollouts
 from llm.alignment.ppo.records import RoleFailure
 from llm.alignment.ppo.samples_log import trim_samples
 from llm.utils import preemption
 
-if TYPE_CHECKING:
-    from llm.alignment.ppo.trainer import PPOTrainer
 
-
-def train_loop(trainer: PPOTrainer) -> list[dict]:
+def train_loop(trainer) -> list[dict]:
     """``trainer.train``: steps up to ``training.max_steps``, then the final save; the log history."""
     t = trainer.c.training
     trainer._open_writer()
@@ -75,7 +70,7 @@ def train_loop(trainer: PPOTrainer) -> list[dict]:
     return trainer.log_history
 
 
-def _end_async(trainer: PPOTrainer, finished: bool) -> None:
+def _end_async(trainer, finished: bool) -> None:
     if trainer.async_rollouts is not None:
         rollouts, trainer.async_rollouts = trainer.async_rollouts, None
         rollouts.close(finished)
