@@ -465,6 +465,7 @@ class PPOConfig:
             and a.rollout_is_cap is None
             and not a.rollout_log_probs
             and self.resource_pool.actor_rollout <= 1
+            and not a.async_rollout  # the old log-probs are the generating (older) policy's, not the update's
         )
 
     @property

@@ -117,6 +117,7 @@ def validate_ppo_config(c: PPOConfig, path: str) -> None:
     validate_lora(c, path)
     validate_rollout_engine(c, path)
     validate_dapo(c, path)
+    validate_async(c, path)
 
 
 ROLLOUT_ENGINES = ("hf", "vllm")
@@ -292,3 +293,45 @@ def validate_dapo(c: PPOConfig, path: str) -> None:
         )
     if not rw.overlong_buffer_len and rw.overlong_penalty_factor != type(rw).overlong_penalty_factor:
         logger.warning("%s: reward.overlong_penalty_factor applies with reward.overlong_buffer_len > 0 only", path)
+
+
+def validate_async(c: PPOConfig, path: str) -> None:
+    """``async_rollout`` / ``max_staleness`` (llm/alignment/ppo/async_rollout.py): one rollout in flight on a
+    separate copy of the actor, whose old log-probs are the generating policy's."""
+    a, alg, pool = c.actor_rollout, c.algorithm, c.resource_pool
+    if not a.async_rollout:
+        if a.max_staleness != 1:
+            raise UserError(
+                f"{path}: actor_rollout.max_staleness applies to async_rollout true; async_rollout is false "
+                "(set async_rollout: true, or remove max_staleness)"
+            )
+        return
+    if a.max_staleness > 1:
+        raise UserError(
+            f"{path}: actor_rollout.max_staleness={a.max_staleness}: one rollout is in flight at a time, so the "
+            "staleness is at most 1; set max_staleness 1 (one-step-off) or 0 (wait for each update: synchronous)"
+        )
+    if alg.kl_penalty == "full":
+        raise UserError(
+            f"{path}: actor_rollout.async_rollout with algorithm.kl_penalty full: the exact KL needs the actor's "
+            "forward over the reference's hidden states at the generating weights, which the rollout copy does not "
+            "run; use kl_penalty kl, abs, mse or low_var_kl, or async_rollout false"
+        )
+    if alg.filter_groups:
+        raise UserError(
+            f"{path}: actor_rollout.async_rollout with algorithm.filter_groups: dynamic sampling generates a "
+            "varying number of rounds per step, which one rollout in flight cannot hold; set filter_groups false "
+            "or async_rollout false"
+        )
+    if pool.use_ray and pool.rollout == 0:
+        raise UserError(
+            f"{path}: actor_rollout.async_rollout on Ray needs a rollout copy that generates while the actor "
+            "updates: set resource_pool.rollout (devices for it, e.g. 1, or a share like 0.5), or run in one "
+            "process (resource_pool.use_ray false: the copy is a second in-process model)"
+        )
+    if pool.use_ray and a.rollout_engine == "vllm" and not a.rollout_log_probs:
+        raise UserError(
+            f"{path}: actor_rollout.async_rollout with a vLLM rollout copy on Ray: the old log-probs must be the "
+            "generating policy's and the engine has no packed forward; set rollout_log_probs true (the engine's own, "
+            "needs do_sample true, top_p 1, top_k 0), or rollout_engine hf"
+        )
