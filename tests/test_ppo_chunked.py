@@ -14,10 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from llm.alignment.lm import chunked
 from llm.alignment.ppo.algorithm import full_kl, token_stats
-from llm.alignment.ppo.objectives import policy_loss
 from llm.alignment.ppo.build import build_from_models
 from llm.alignment.ppo.engine import per_token
 from llm.alignment.ppo.fsdp import head_linear
+from llm.alignment.ppo.objectives import policy_loss
 from llm.alignment.ppo.prompts import Prompt
 from llm.alignment.ppo.roles import PolicyModel
 from llm.run_ppo import main
