@@ -22,6 +22,7 @@ from llm.utils.errors import run_cli
 from llm.utils.logging import setup_logging
 
 logger = logging.getLogger("llm.serve_reward")
+STOP_WAIT = 120  # seconds a stop waits for the request being scored
 
 
 def _interrupt(signum, frame) -> None:
@@ -44,7 +45,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         server.serve_forever()
     except KeyboardInterrupt:
-        logger.warning("stopped")
+        # a request being scored holds the lock inside torch: exiting under it aborts the process ("terminate called
+        # without an active exception"); new requests get 503 while it finishes
+        scorer.stopping = True
+        if scorer.lock.acquire(timeout=STOP_WAIT):
+            logger.warning("stopped")
+        else:
+            logger.warning("stopped after %d s with a request still being scored", STOP_WAIT)
     finally:
         server.server_close()
 

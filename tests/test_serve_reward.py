@@ -189,3 +189,48 @@ def test_a_deep_body_and_an_overlong_sample_get_a_400_not_a_dropped_connection(r
     ok = json.dumps({"prompts": ["1 + 1 ="], "responses": ["2"]}).encode()
     status, answer = request(server, "POST", "/", ok, {"Content-Length": str(len(ok))})
     assert status == 200 and len(answer["scores"]) == 1
+
+
+def test_sigterm_while_scoring_waits_for_the_request_then_stops(tmp_path):
+    """SIGTERM while a request was inside the model's forward aborted the process (rc -6, "terminate called without
+    an active exception"): the stop now waits for the request being scored (new ones get 503), then exits 0."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    model_dir = save_model(tmp_path / "rm", False)
+    cfg = reward_config(tmp_path, model_dir, False)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "llm", "serve_reward.py"), cfg, "--port", "0"],
+        env=env, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    lines = []
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if "serving the orm" in line:
+                port = int(line.rsplit(":", 1)[1].split()[0])
+                break
+        big = json.dumps({"prompts": ["1 + 1 ="] * 3000, "responses": ["2"] * 3000}).encode()
+        answers = []
+
+        def post():
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+            conn.request("POST", "/", body=big, headers={"Content-Length": str(len(big))})
+            answers.append(conn.getresponse().status)
+
+        sender = threading.Thread(target=post)
+        started = time.monotonic()
+        sender.start()
+        time.sleep(1.0)  # the 3000 samples are tokenized and in the forward by now
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        proc.wait(timeout=180)
+        sender.join(timeout=60)
+    finally:
+        proc.kill()
+    err = "".join(lines) + rest
+    assert "terminate called" not in err and proc.returncode == 0, err[-3000:]
+    assert answers == [200], (answers, time.monotonic() - started)

@@ -93,6 +93,7 @@ class RewardScorer:
         self.reward, self.tokenizer, self.kind, self.model_path = reward, tokenizer, kind, model_path
         self.max_tokens = max_tokens  # the config's max_seq_len: a longer prompt + response is refused (400)
         self.lock = threading.Lock()
+        self.stopping = False  # set when the server stops: new requests are refused (503)
 
     def samples(self, prompts, responses, references, ended):
         from llm.alignment.ppo.records import Samples
@@ -120,6 +121,7 @@ class RewardScorer:
                         "config: shorten it (or serve with a larger max_seq_len)"
                     )
         with self.lock:
+            logger.debug("scoring %d samples", len(samples.responses))
             if self.kind == "orm":
                 return {"scores": self.reward.score(samples).scores.tolist()}
             steps, _ = self.reward.step_scores(samples)  # one forward; aggregated as PRMReward.score does
@@ -163,6 +165,9 @@ def make_handler(scorer: RewardScorer, args: ServeArgument):
             except TimeoutError:
                 self.close_connection = True
                 return self._answer(408, {"error": f"the body took over request_timeout={args.request_timeout:g} s"})
+            if scorer.stopping:
+                self.close_connection = True
+                return self._answer(503, {"error": "the server is stopping"})
             try:
                 request = parse_request(body)
             except BadRequest as err:
