@@ -17,12 +17,14 @@ from llm.settings.flat import validate_arguments
 from llm.settings.load import parse_arguments
 from llm.utils.errors import run_cli
 from llm.utils.logging import setup_logging
+from llm.utils.threads import choose_threads
 
 
 def main(argv: list[str] | None = None) -> None:
     model_args, data_args, training_args = parse_arguments(sys.argv[1:] if argv is None else argv, DPO_ARGUMENT_TYPES)
     validate_arguments(model_args, data_args, training_args)
     setup_logging(training_args)
+    choose_threads()  # unless OMP_NUM_THREADS says otherwise (llm/utils/threads.py)
     # the model code only now: a config or path error above shows in seconds, before these heavy imports
     from llm.alignment.dpo.build import build_dpo_trainer
     from llm.alignment.runner import output_dir_guard, train_and_evaluate

@@ -20,10 +20,12 @@ from llm.utils.checkpoints import final_model_complete, latest_checkpoint
 from llm.utils.errors import run_cli
 from llm.utils.logging import configure_logging
 from llm.utils.rundir import run_guard
+from llm.utils.threads import choose_threads
 
 
 def main(argv: list[str] | None = None) -> None:
     configure_logging(logging.INFO)
+    choose_threads()  # unless OMP_NUM_THREADS says otherwise (llm/utils/threads.py)
     config = parse_ppo_config(sys.argv[1:] if argv is None else argv)
     t = config.training
     # Before any model loads (not at the final save): output_dir writable, locked for this run (by the driver,

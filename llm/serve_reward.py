@@ -20,6 +20,7 @@ from llm.settings.load import parse_arguments
 from llm.settings.reward import REWARD_ARGUMENT_TYPES
 from llm.utils.errors import run_cli
 from llm.utils.logging import setup_logging
+from llm.utils.threads import choose_threads
 
 logger = logging.getLogger("llm.serve_reward")
 STOP_WAIT = 120  # seconds a stop waits for the request being scored
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
         argv, (*REWARD_ARGUMENT_TYPES, ServeArgument), paddle=PADDLE_REWARD_NAMES
     )
     setup_logging(training_args)
+    choose_threads()  # unless OMP_NUM_THREADS says otherwise (llm/utils/threads.py)
     scorer = build_scorer(model_args, training_args, serve_args, data_args.max_seq_len)
     server = make_server(scorer, serve_args)
     host, port = server.server_address[:2]

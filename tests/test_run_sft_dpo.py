@@ -43,6 +43,8 @@ def config(tmp_path, name, **overrides):
         evaluation_strategy="no",
     )
     cfg.update(overrides)
+    if cfg.get("do_train") is False and cfg.get("init_from_config"):
+        cfg["eval_random_init"] = True  # an evaluation-only run of the random tiny model, on purpose
     path = tmp_path / f"cfg_{len(list(tmp_path.glob('cfg_*')))}.json"
     path.write_text(json.dumps(cfg, ensure_ascii=False))
     return str(path)
