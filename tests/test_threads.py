@@ -1,5 +1,5 @@
-"""The CPU thread default (llm/utils/threads.py): half the cores, fewer on a busy machine, at least one; the
-user's OMP_NUM_THREADS wins."""
+"""The CPU thread default (llm/utils/threads.py): the cores the load leaves free, at least one; the user's
+OMP_NUM_THREADS wins."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from llm.utils import threads
 
 
 def test_default_threads_by_hand():
-    assert threads.default_threads(2, 0.0) == 1  # 2 cores: one thread, even idle
-    assert threads.default_threads(2, 3.2) == 1  # never below one
-    assert threads.default_threads(16, 0.3) == 8  # half the cores
+    assert threads.default_threads(2, 0.2) == 2  # idle: every core (torch's own default)
+    assert threads.default_threads(2, 0.9) == 1  # one core busy: one thread
+    assert threads.default_threads(2, 3.2) == 1  # overloaded: never below one
     assert threads.default_threads(16, 12.4) == 4  # what the load leaves
     assert threads.default_threads(1, 0.0) == 1
 
