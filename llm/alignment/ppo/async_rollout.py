@@ -191,17 +191,7 @@ class AsyncRollouts:
         t, a = self.trainer, self.trainer.c.actor_rollout
         prompts = [t.prompts[i] for i in indices]
         reuse = t.reuses_rollout_log_probs or a.rollout_is_cap is not None
-        out = self.copy.generate(
-            [p.ids for p in prompts],
-            num_samples=a.num_samples_per_step,
-            max_new_tokens=a.max_response_length,
-            do_sample=a.do_sample,
-            top_p=a.top_p,
-            top_k=a.top_k,
-            ignore_eos=a.ignore_eos,
-            seed=t.c.training.seed * 1_000_003 + step,  # as PPOTrainer.rollout: the step's seed
-            with_log_probs=reuse,
-        )
+        out = self.copy.generate([p.ids for p in prompts], **t.sampling(step), with_log_probs=reuse)  # as rollout
         responses, engine = out if reuse else (out, None)
         if engine is not None and not all(responses):
             engine = None  # as PPOTrainer.rollout: an empty response has no generated log-prob

@@ -116,6 +116,19 @@ class PPOTrainer:
         return self.dapo.prompt_indices(len(self.prompts), step)
 
     # --- phase 1: rollout --------------------------------------------------------------------
+    def sampling(self, step: int) -> dict:
+        """``generate``'s settings for the rollout of ``step``; its seed depends on the step and DAPO's round only."""
+        a = self.c.actor_rollout
+        return {
+            "num_samples": a.num_samples_per_step,
+            "max_new_tokens": a.max_response_length,
+            "do_sample": a.do_sample,
+            "top_p": a.top_p,
+            "top_k": a.top_k,
+            "ignore_eos": a.ignore_eos,
+            "seed": self.c.training.seed * 1_000_003 + step + self.dapo.seed_shift,
+        }
+
     def rollout(self, indices: list[int]) -> tuple[Samples, torch.Tensor | None]:
         """The samples, and with ``rollout_log_probs`` or ``rollout_is_cap`` the log-probs of their tokens that
         the generating engine computed (None: not asked, or an empty response)."""
@@ -125,17 +138,7 @@ class PPOTrainer:
         prompts = [self.prompts[i] for i in indices]
         generator = self.actor if self.rollout_copy is None else self.rollout_copy
         reuse = self.reuses_rollout_log_probs or a.rollout_is_cap is not None
-        out = generator.generate(
-            [p.ids for p in prompts],
-            num_samples=a.num_samples_per_step,
-            max_new_tokens=a.max_response_length,
-            do_sample=a.do_sample,
-            top_p=a.top_p,
-            top_k=a.top_k,
-            ignore_eos=a.ignore_eos,
-            seed=self.c.training.seed * 1_000_003 + self.step + self.dapo.seed_shift,  # the step and DAPO round only
-            with_log_probs=reuse,
-        )
+        out = generator.generate([p.ids for p in prompts], **self.sampling(self.step), with_log_probs=reuse)
         responses, logprobs = out if reuse else (out, None)
         if logprobs is not None and not all(responses):
             logprobs = None  # an empty response is scored on a stand-in EOS: no generated log-prob for it
