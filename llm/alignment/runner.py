@@ -34,7 +34,8 @@ def output_dir_guard(data_args: DataArgument, training_args: TrainingArguments):
         resume=training_args.resume_from_checkpoint,
         overwrite=training_args.overwrite_output_dir,
         trains=writes_model,
-        config=run_settings(data_args, training_args),
+        # compared across the processes of a torchrun: one process has nothing to compare, so no data hashing
+        config=run_settings(data_args, training_args) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
     )
 
 
@@ -60,7 +61,7 @@ RUN_SHAPE = (
 def run_settings(data_args: DataArgument, training_args: TrainingArguments) -> dict:
     """What every process of a run must have alike: the fingerprint's values and the run's shape."""
     values = dict(training_fingerprint(training_args).values)
-    values.update({f"{name}": str(getattr(training_args, name, None)) for name in RUN_SHAPE})
+    values.update({name: str(getattr(training_args, name, None)) for name in RUN_SHAPE})
     values["dev_dataset_path"] = data_args.dev_dataset_path
     return values
 

@@ -54,7 +54,7 @@ def log_config_notes(notes: list[str], source: str | None = None) -> None:
     on the ``llm.config`` logger; ``source`` (the config file) leads each line when the notes do not name it."""
     logger = logging.getLogger("llm.config")
     for note in notes:
-        logger.info("%s: %s", source, note) if source else logger.info(note)
+        logger.info("%s: %s" if source else "%s%s", source or "", note)
 
 
 def setup_logging(training_args: transformers.TrainingArguments) -> None:
