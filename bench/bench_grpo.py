@@ -4,7 +4,7 @@ Same model (a seeded tiny Llama saved once, loaded by both), prompts (the first 
 llm/data/sample/prompts.jsonl per step), group size (``--group``, 8), completion cap (``--new-tokens``),
 temperature 1, one optimizer step per generation (AdamW, lr 1e-5, no clipping), k3 KL to the reference with
 coefficient 0.04 (TRL ``beta``; ours ``kl_loss_coef``, ``kl_penalty: k3``), the same rule reward
-(``llm.alignment.ppo.rules:digit_fraction``) on the decoded completions. Trained tokens = completion tokens
+(``llm.alignment.ppo.rewards.rule_functions:digit_fraction``) on the decoded completions. Trained tokens = completion tokens
 actually generated (each side counts its own); tokens/s = their sum over the timed steps / the steps' wall time
 (the first step is a warm-up).
 
@@ -60,7 +60,7 @@ from bench.harness import (
 
 SIDES = ("ours-hf", "ours-vllm", "trl-hf")
 WORKER_SETTINGS = ("model_dir", "prompts", "group", "new_tokens", "steps", "threads", "seed")
-RULE = "llm.alignment.ppo.rules:digit_fraction"
+RULE = "llm.alignment.ppo.rewards.rule_functions:digit_fraction"
 
 
 def qwen2_tokenizer():
@@ -174,7 +174,7 @@ def run_trl(a, use_vllm: bool) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from llm.alignment.ppo.rules import digit_fraction
+    from llm.alignment.ppo.rewards.rule_functions import digit_fraction
 
     torch.set_num_threads(a.threads)
     tok = AutoTokenizer.from_pretrained(a.model_dir)

@@ -50,7 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 TASKS = ("sft", "prm", "orm", "dpo", "grpo")
-RULE = "llm.alignment.ppo.rules:math_exact_match"
+RULE = "llm.alignment.ppo.rewards.rule_functions:math_exact_match"
 ARITH_TRAIN = "llm/data/sample_arith/arith_train.jsonl"
 ARITH_DEV = "llm/data/sample_arith/arith_dev.jsonl"
 CONFIGS = "llm/config/smollm2"
@@ -112,7 +112,7 @@ def arith_accuracy(path: str, rows: list[dict], new_tokens: int, batch: int = 32
     math_exact_match against ``tgt``: {"accuracy", "n", "seconds", "samples" (the first 8 answers)}."""
     import torch
 
-    from llm.alignment.ppo.rules import math_exact_match
+    from llm.alignment.ppo.rewards.rule_functions import math_exact_match
 
     t = time.perf_counter()
     model, tok = load_policy(path)
@@ -314,7 +314,7 @@ def run_grpo_trl(a) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from llm.alignment.ppo.rules import math_exact_match
+    from llm.alignment.ppo.rewards.rule_functions import math_exact_match
 
     torch.set_num_threads(a.threads)
     tok = AutoTokenizer.from_pretrained(a.model_dir)

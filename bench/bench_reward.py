@@ -289,7 +289,7 @@ def build_trl(args, task: str, model_dir: str, data_path: str, common: dict):
 
     records = list(load_dataset_records(data_path, "pair" if task == "orm" else "prm"))
 
-    def prompt_text(rec) -> str:  # = llm.data.tokenize.render_prompt without chat template
+    def prompt_text(rec) -> str:  # = llm.data.encoding.render_prompt without chat template
         return "\n".join(m["content"] for m in rec.prompt) + "\n"
 
     def _with_labels(config, n: int):  # deep copy: transformers writes attn_implementation into it

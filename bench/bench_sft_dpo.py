@@ -264,9 +264,9 @@ def our_arguments(
 def encoded_examples(task: str, path: str, tokenizer, data_args) -> list:
     """Our ``Example`` of every record (unpacked), exactly as our data pipeline encodes them."""
     from llm.alignment.sft.build import encode_config
+    from llm.data.encode_lm import encode_pair_for_lm, encode_sft
+    from llm.data.encoding import encode_all
     from llm.data.readers import load_dataset_records
-    from llm.data.tokenize import encode_all
-    from llm.data.tokenize_lm import encode_pair_for_lm, encode_sft
 
     cfg = encode_config(data_args)
     if task == "dpo":

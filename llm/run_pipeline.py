@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from llm import run_finetune, run_ppo, run_reward
 from llm.alignment.ppo.prompts import make_samples, prompts_from_records
 from llm.alignment.ppo.rewards import ORMReward
+from llm.alignment.ppo.rewards.rule_functions import math_exact_match
 from llm.alignment.ppo.roles import PolicyModel
-from llm.alignment.ppo.rules import math_exact_match
 from llm.data.readers import read_records
 from llm.utils.attention import PACKED_SDPA
 from llm.utils.errors import UserError, run_cli

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ast
 
-from tests.test_ppo_structure import cycles, llm_modules
+from tests.test_repository import cycles, llm_modules
 
 # layer -> the layers it may import (itself included); the entry points (llm/run_*.py, serve_reward.py,
 # convert_gguf.py) may import every layer

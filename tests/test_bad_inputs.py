@@ -17,9 +17,9 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from llm.alignment.ppo.build import Place, build_reward
-from llm.alignment.ppo.records import RoleFailure, Samples
+from llm.alignment.ppo.interfaces import RoleFailure, Samples
 from llm.alignment.ppo.rewards import HttpReward, ORMReward, RuleReward
-from llm.data.tokenize import OverlongCounter, encode_all
+from llm.data.encoding import OverlongCounter, encode_all
 from llm.run_dpo import main as dpo_main
 from llm.run_finetune import main as sft_main
 from llm.run_ppo import main as ppo_main

@@ -11,8 +11,8 @@ from transformers import AutoTokenizer
 
 from llm.alignment.ppo.build import load_prompts
 from llm.alignment.sft.build import build_sft_trainer
-from llm.data import tokenize
-from llm.data.tokenize import placeholder_token_id, render_prompt, resolve_chat_template, usable_placeholder
+from llm.data import encoding
+from llm.data.encoding import placeholder_token_id, render_prompt, resolve_chat_template, usable_placeholder
 from llm.settings.fingerprint import run_fingerprint
 from llm.settings.flat import validate_arguments
 from llm.settings.load import parse_arguments, parse_ppo_config
@@ -44,7 +44,7 @@ def plain_dir(tmp_path_factory):
 
 
 def test_unset_follows_the_tokenizer_and_a_setting_wins(smol, plain_dir, caplog):
-    caplog.set_level(logging.INFO, "llm.data.tokenize")
+    caplog.set_level(logging.INFO, "llm.data.encoding")
     start = smol.convert_tokens_to_ids("<|im_start|>")
     assert resolve_chat_template(None, smol) is True
     assert "use_chat_template: on (the tokenizer has a chat template; set use_chat_template false" in caplog.text
@@ -149,7 +149,7 @@ def test_placeholder_message_suggests_a_token_of_this_tokenizer(smol):
 
 
 def test_no_usable_candidate_says_so(monkeypatch):
-    monkeypatch.setattr(tokenize, "PLACEHOLDER_CANDIDATES", ("§", "†"))  # neither is one tiny token
+    monkeypatch.setattr(encoding, "PLACEHOLDER_CANDIDATES", ("§", "†"))  # neither is one tiny token
     with pytest.raises(UserError) as err:
         placeholder_token_id(tokenizer(), "<step>", "placeholder_token")
     assert "(none of '§', '†' is one token of this tokenizer)" in str(err.value) and "e.g." not in str(err.value)

@@ -30,7 +30,9 @@ def values_of(path: str) -> dict:
     else:
         types = {"dpo": DPO_ARGUMENT_TYPES, "rm": REWARD_ARGUMENT_TYPES, "prm": REWARD_ARGUMENT_TYPES}
         fingerprint = run_fingerprint(*parse_arguments([path], *[types[kind]] if kind in types else []))
-    return portable(json.loads(json.dumps(fingerprint.values, sort_keys=True).replace(os.path.realpath(ROOT), "<repo>")))
+    return portable(
+        json.loads(json.dumps(fingerprint.values, sort_keys=True).replace(os.path.realpath(ROOT), "<repo>"))
+    )
 
 
 def portable(values: dict) -> dict:

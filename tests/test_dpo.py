@@ -21,10 +21,10 @@ from llm.alignment.dpo.loss import (
     simpo_loss,
 )
 from llm.alignment.dpo.trainer import DPOTrainer, collate_pairs
+from llm.data.encode_lm import CHOSEN, PROMPT, REJECTED, encode_pair_for_lm
+from llm.data.encoding import EncodeConfig, OverlongCounter
 from llm.data.packing import pack
 from llm.data.readers import read_records
-from llm.data.tokenize import EncodeConfig, OverlongCounter
-from llm.data.tokenize_lm import CHOSEN, PROMPT, REJECTED, encode_pair_for_lm
 from llm.settings.dpo import DPOTrainingArguments
 from tests.helpers import ROOT, tiny_model, tokenizer, twin
 

@@ -25,10 +25,10 @@ from llm.alignment.dpo.trainer import DPOTrainer, collate_pairs
 from llm.alignment.rm.build import build_reward_trainer
 from llm.alignment.runner import train_and_evaluate
 from llm.alignment.sft.build import build_sft_trainer
+from llm.data.encode_lm import encode_pair_for_lm
+from llm.data.encoding import EncodeConfig, OverlongCounter
 from llm.data.packing import pack
 from llm.data.readers import read_records
-from llm.data.tokenize import EncodeConfig, OverlongCounter
-from llm.data.tokenize_lm import encode_pair_for_lm
 from llm.run_dpo import main as dpo_main
 from llm.run_finetune import main as sft_main
 from llm.run_reward import main as reward_main

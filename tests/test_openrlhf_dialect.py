@@ -1,4 +1,4 @@
-"""OpenLLaMA2 / OpenRLHF launch scripts as configs (llm/settings/dialects/openrlhf.py): the translation of each
+"""OpenLLaMA2 / OpenRLHF launch scripts as configs (llm/settings/dialects/openrlhf/): the translation of each
 flag by hand, the refusals and their messages, the script forms (heredoc, a plain command, variables), and the
 conformance run: the three commands of the OpenLLaMA2 document (tests/data/openrlhf/, copied as published) through
 run_finetune.py, run_reward.py and run_ppo.py on a tiny Llama, with only model / data paths and step counts edited."""

@@ -252,8 +252,9 @@ def test_candidate_encoding_with_and_without_a_separate_question(tmp_path):
     at its last token. Math-Shepherd layout (the question starts the first step): BOS + the joined steps + EOS."""
     from llm.alignment.rm.data import CANDIDATE as CANDIDATE_PART
     from llm.alignment.rm.data import encode_orm_candidate
+    from llm.data.encode_reward import encode_pair_for_scores
+    from llm.data.encoding import EncodeConfig, OverlongCounter
     from llm.data.readers import PairRecord, read_records
-    from llm.data.tokenize import EncodeConfig, OverlongCounter, encode_pair_for_scores
     from llm.utils.modeling import load_tokenizer
     from tests.helpers import ROOT
 

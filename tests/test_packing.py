@@ -237,7 +237,7 @@ def test_plan_rows_respects_capacity_and_keeps_every_example():
 
 
 def test_greedy_pad_ratio_on_bundled_data_under_5_percent():
-    from llm.data.tokenize import prm_response_text
+    from llm.data.encode_reward import prm_response_text
     from tests.helpers import tokenizer
 
     tok = tokenizer()

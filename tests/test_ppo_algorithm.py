@@ -140,8 +140,8 @@ def test_actor_update_reports_mean_absolute_policy_loss():
     """One on-policy mini-batch of two samples (3 and 2 response tokens) in micro-batches of one: advantages +2 on
     the first sample's tokens, -1 on the second's. Ratio 1, so the per-token losses are -2 (x3) and +1 (x2):
     policy_loss (-6 + 2) / 5 = -0.8, abs_policy_loss (6 + 2) / 5 = 1.6 (abs() of the loss would say 0.8)."""
+    from llm.alignment.ppo.interfaces import PolicyBatch, Samples
     from llm.alignment.ppo.optim import TrainableRole
-    from llm.alignment.ppo.records import PolicyBatch, Samples
     from llm.alignment.ppo.roles import ActorRole
     from llm.alignment.ppo.update import PolicyUpdate
     from tests.helpers import tiny_model, tokenizer

@@ -14,8 +14,8 @@ import yaml
 
 from llm.alignment.ppo.build import load_prompts
 from llm.run_ppo import main
-from llm.settings.dialects.mindspeed import load_yaml
 from llm.settings.load import parse_ppo_config
+from llm.settings.yaml_files import load_yaml
 from llm.utils.errors import UserError, run_cli
 from tests.helpers import ROOT
 from tests.test_ppo_run import config, history

@@ -21,7 +21,7 @@ from llm.alignment.ppo.dapo import (
     prompt_stream,
     select_scored,
 )
-from llm.alignment.ppo.records import Samples, Scored
+from llm.alignment.ppo.interfaces import Samples, Scored
 from llm.run_ppo import main
 from llm.settings.load import parse_ppo_config
 from llm.utils.errors import UserError

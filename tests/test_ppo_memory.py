@@ -13,9 +13,9 @@ from transformers import AutoModelForSequenceClassification
 
 from llm.alignment.ppo.build import Place, build_actor, build_critic, build_ref, build_reward
 from llm.alignment.ppo.checkpoint import OPTIMIZER_FILE
+from llm.alignment.ppo.interfaces import PolicyBatch, Samples, ValueBatch
 from llm.alignment.ppo.offload import HOST, HostAdamW, OffloadedTrainableRole, offload_when_idle
 from llm.alignment.ppo.optim import TrainableRole
-from llm.alignment.ppo.records import PolicyBatch, Samples, ValueBatch
 from llm.alignment.ppo.rewards import ORMReward
 from llm.alignment.ppo.roles import ActorRole, CriticRole, PolicyModel
 from llm.alignment.ppo.update import PolicyUpdate, ValueUpdate

@@ -174,8 +174,8 @@ def test_actor_update_aggregates_over_the_mini_batch(mode, truncated, expected):
     """One on-policy mini-batch of two samples (3 and 2 response tokens) in micro-batches of one (so each micro-batch
     divides by the mini-batch's counts): advantages +2 on the first sample's tokens, -1 on the second's; ratio 1,
     so the per-token losses are -2 (x3) and +1 (x2)."""
+    from llm.alignment.ppo.interfaces import PolicyBatch, Samples
     from llm.alignment.ppo.optim import TrainableRole
-    from llm.alignment.ppo.records import PolicyBatch, Samples
     from llm.alignment.ppo.roles import ActorRole
     from llm.alignment.ppo.update import PolicyUpdate
     from tests.helpers import tiny_model, tokenizer

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
-from llm.alignment.ppo.records import RoleFailure
+from llm.alignment.ppo.interfaces import RoleFailure
 from llm.run_ppo import main
 from llm.settings.load import parse_ppo_config
 from llm.utils.errors import UserError, run_cli
@@ -202,7 +202,7 @@ def test_killed_worker_stops_with_a_message_and_a_usable_checkpoint(ray_cluster,
     AutoModelForCausalLM.from_pretrained(out / "checkpoint-1" / "actor")
     resume = config(
         tmp_path,
-        reward={"type": "rule", "rule": "llm.alignment.ppo.rules:digit_fraction"},
+        reward={"type": "rule", "rule": "llm.alignment.ppo.rewards.rule_functions:digit_fraction"},
         # another reward rule than the run that saved it: another run's checkpoint, so named explicitly
         training={"max_steps": 2, "resume_from_checkpoint": str(out / "checkpoint-1")},
     )

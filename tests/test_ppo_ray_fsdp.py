@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from llm.alignment.ppo.interfaces import RoleFailure
 from llm.alignment.ppo.prompts import make_samples
-from llm.alignment.ppo.records import RoleFailure
 from tests.helpers import tokenizer
 from tests.test_ppo_ray import ORM_REWARD, assert_same_step, fixed_responses, two_steps
 from tests.test_ppo_run import config

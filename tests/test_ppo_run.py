@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from llm.alignment.ppo.records import Samples
+from llm.alignment.ppo.interfaces import Samples
 from llm.alignment.ppo.rewards import HttpReward, PRMReward, RuleReward, char_to_token_end, split_steps
-from llm.alignment.ppo.rules import last_number, math_exact_match
+from llm.alignment.ppo.rewards.rule_functions import last_number, math_exact_match
 from llm.run_ppo import main
 from llm.settings.load import parse_ppo_config
 from llm.utils.errors import UserError, run_cli
@@ -180,7 +180,9 @@ def test_rule_rewards():
     assert last_number("so 3 + 4 = 7. The answer is 7.") == "7" and last_number("none") is None
     assert math_exact_match("q", "The answer is 22.", "22") == 1.0
     assert math_exact_match("q", "The answer is 21.", "22") == 0.0
-    scores = RuleReward("llm.alignment.ppo.rules:math_exact_match").score(samples(["it is 7", "8"])).scores
+    scores = (
+        RuleReward("llm.alignment.ppo.rewards.rule_functions:math_exact_match").score(samples(["it is 7", "8"])).scores
+    )
     assert scores.tolist() == [1.0, 0.0]
     with pytest.raises(UserError, match="raised KeyError.*sample 0"):
         RuleReward("tests.test_ppo_run:bad_rule_raises").score(samples(["x"]))

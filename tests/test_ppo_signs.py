@@ -14,7 +14,7 @@ import torch
 
 from llm.alignment.ppo.algorithm import RunningMoments, kl_estimate, shape_scores
 from llm.alignment.ppo.build import Place, build_actor
-from llm.alignment.ppo.records import PolicyBatch
+from llm.alignment.ppo.interfaces import PolicyBatch
 from llm.settings.load import parse_ppo_config
 from llm.settings.registry import ADV_ESTIMATORS, KL_CONTROLLERS, KL_ESTIMATORS, kl_kinds
 from llm.utils.errors import UserError

@@ -34,16 +34,17 @@ import torch
 from llm.alignment.dpo.trainer import DPOTrainer, collate_pairs
 from llm.alignment.lm import load_causal_lm, weights_dtype
 from llm.alignment.ppo.build import Place, build_actor, build_critic
+from llm.alignment.ppo.interfaces import PolicyBatch, ValueBatch
 from llm.alignment.ppo.offload import OffloadedTrainableRole
 from llm.alignment.ppo.optim import TrainableRole
-from llm.alignment.ppo.records import PolicyBatch, ValueBatch
 from llm.alignment.rm.build import build_reward_model
 from llm.alignment.rm.prm_trainer import PRMTrainer
 from llm.alignment.sft.trainer import SFTTrainer
+from llm.data.encode_lm import encode_pair_for_lm, encode_sft
+from llm.data.encode_reward import encode_pair_for_scores, encode_prm
+from llm.data.encoding import EncodeConfig, OverlongCounter
 from llm.data.packing import collate, pack
 from llm.data.readers import iter_records
-from llm.data.tokenize import EncodeConfig, OverlongCounter, encode_pair_for_scores, encode_prm
-from llm.data.tokenize_lm import encode_pair_for_lm, encode_sft
 from llm.settings.dpo import DPOTrainingArguments
 from llm.settings.flat import ModelArgument
 from llm.settings.load import parse_ppo_config

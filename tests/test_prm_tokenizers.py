@@ -14,16 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from llm.data.encode_reward import encode_prm, prm_response_ids, prm_response_text
+from llm.data.encoding import EncodeConfig, OverlongCounter, placeholder_token_id, single_token_id
 from llm.data.readers import read_records
-from llm.data.tokenize import (
-    EncodeConfig,
-    OverlongCounter,
-    encode_prm,
-    placeholder_token_id,
-    prm_response_ids,
-    prm_response_text,
-    single_token_id,
-)
 from llm.run_reward import main
 from llm.utils.errors import UserError, run_cli
 from llm.utils.modeling import tiny_config

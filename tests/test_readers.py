@@ -216,7 +216,7 @@ def test_math_shepherd_layouts_have_no_separate_prompt(tmp_path):
     assert a.steps == b.steps == ["What is 2 + 3? Step 1: 2 + 3 = 5.", "Step 2: 5"]
     assert a.labels == b.labels == ["+", "-"]
     # the steps re-joined as the trainer does are exactly the Hugging Face row's input
-    from llm.data.tokenize import prm_response_text
+    from llm.data.encode_reward import prm_response_text
 
     assert prm_response_text(b.steps, "ки") == SHEPHERD[1]["input"]
     # src as an empty string, other placeholder and reward tokens, a label mark that is a prefix of the other
@@ -533,8 +533,9 @@ def test_map_keys_errors_name_file_record_and_column(tmp_path):
 
 
 def test_map_keys_is_threaded_from_data_argument(tmp_path):
+    from llm.data.encode_reward import encode_prm
+    from llm.data.encoding import EncodeConfig
     from llm.data.prepare import load_packed
-    from llm.data.tokenize import EncodeConfig, encode_prm
     from llm.settings.flat import DataArgument
     from tests.helpers import tokenizer
 

@@ -318,7 +318,7 @@ def test_grpo_with_a_lora_actor(tmp_path, smollm2, causal):
         "training": {"max_steps": 2, "micro_batch_size": 4, "learning_rate": 1e-3, "log_samples": 4},
         "actor_rollout": {"max_response_length": 12, "num_samples_per_step": 2, "ppo_mini_batch_size": 4},
         "critic": {"critic_mini_batch_size": 4},  # no critic (GRPO), but the field is checked
-        "reward": {"rule": "llm.alignment.ppo.rules:digit_fraction"},
+        "reward": {"rule": "llm.alignment.ppo.rewards.rule_functions:digit_fraction"},
         "data": {
             "train_dataset_path": head_of(tmp_path, SAMPLE_ARITH, "arith_train.jsonl", 4),
             "rollout_batch_size": 2,
@@ -339,7 +339,7 @@ def test_reward_server_scores_as_the_training_run_evaluated(tmp_path, trained_pr
     import json
     import threading
 
-    from llm.alignment.ppo.records import Samples
+    from llm.alignment.ppo.interfaces import Samples
     from llm.alignment.ppo.rewards import HttpReward
     from llm.alignment.rm.serve import ServeArgument, build_scorer, make_server
     from llm.settings.load import parse_arguments
@@ -378,10 +378,10 @@ def test_sft_labels_the_eos_that_ends_the_answer_and_not_the_padding(tok, use_ch
     """The answer's EOS (<|im_end|>, the pad id too) is a label; padding after a shorter row, and the EOS ending a
     system or user turn of the template, are not. Labels as Hugging Face writes them: -100, or the token at
     that position (each readout at position t - 1 predicts token t)."""
+    from llm.data.encode_lm import encode_sft
+    from llm.data.encoding import EncodeConfig, OverlongCounter
     from llm.data.packing import collate, pack
     from llm.data.readers import read_records
-    from llm.data.tokenize import EncodeConfig, OverlongCounter
-    from llm.data.tokenize_lm import encode_sft
 
     records = read_records(os.path.join(SAMPLE_SFT, "sft_dev.jsonl"), "sft")[:3]
     cfg = EncodeConfig(256, 128, use_chat_template=use_chat_template)
@@ -456,8 +456,8 @@ def packed_twin(model):
 
 
 def pairs(tok, n=4, max_len=256):
+    from llm.data.encoding import EncodeConfig
     from llm.data.readers import read_records
-    from llm.data.tokenize import EncodeConfig
 
     cfg = EncodeConfig(max_len, 128, use_chat_template=True)
     return read_records(os.path.join(SAMPLE, "pairs_train.jsonl"), "pair")[:n], cfg
@@ -473,8 +473,9 @@ def test_orm_loss_equals_trl_reward_trainer(tmp_path, tok, scorer):
     from trl import RewardTrainer as TRLRewardTrainer
 
     from llm.alignment.rm.orm_trainer import ORMTrainer
+    from llm.data.encode_reward import encode_pair_for_scores
+    from llm.data.encoding import OverlongCounter
     from llm.data.packing import collate, pack
-    from llm.data.tokenize import OverlongCounter, encode_pair_for_scores
     from llm.settings.reward import RewardTrainingArguments
 
     records, cfg = pairs(tok)
@@ -516,9 +517,9 @@ def test_dpo_loss_equals_trl_dpo_trainer(tmp_path, tok, causal):
     from trl import DPOTrainer as TRLDPOTrainer
 
     from llm.alignment.dpo.trainer import DPOTrainer, collate_pairs
+    from llm.data.encode_lm import encode_pair_for_lm
+    from llm.data.encoding import OverlongCounter
     from llm.data.packing import pack
-    from llm.data.tokenize import OverlongCounter
-    from llm.data.tokenize_lm import encode_pair_for_lm
     from llm.settings.dpo import DPOTrainingArguments
 
     records, cfg = pairs(tok, 2)
@@ -563,10 +564,10 @@ def test_packed_equals_alone_on_real_weights(tok, causal):
     stock model."""
     import torch.nn.functional as F
 
+    from llm.data.encode_lm import encode_pair_for_lm, encode_sft
+    from llm.data.encoding import EncodeConfig, OverlongCounter
     from llm.data.packing import collate, pack
     from llm.data.readers import read_records
-    from llm.data.tokenize import EncodeConfig, OverlongCounter
-    from llm.data.tokenize_lm import encode_pair_for_lm, encode_sft
     from tests.test_packing import alone_logits, per_example_packed
 
     cfg = EncodeConfig(256, 128, use_chat_template=True)

@@ -12,8 +12,9 @@ from transformers import AutoModelForSequenceClassification
 from llm.alignment.rm.loss import pairwise_loss, step_loss
 from llm.alignment.rm.orm_trainer import ORMTrainer
 from llm.alignment.rm.prm_trainer import PRMTrainer
+from llm.data.encode_reward import encode_pair_for_scores, encode_prm
+from llm.data.encoding import EncodeConfig, OverlongCounter
 from llm.data.packing import collate, pack
-from llm.data.tokenize import EncodeConfig, OverlongCounter, encode_pair_for_scores, encode_prm
 from llm.settings.reward import RewardTrainingArguments as TrainingArguments
 from tests.helpers import ROOT, reward_trainer, tiny_model, tokenizer, twin
 

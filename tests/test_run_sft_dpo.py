@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from llm.data.encode_lm import encode_sft
+from llm.data.encoding import EncodeConfig, OverlongCounter
 from llm.data.readers import read_records
-from llm.data.tokenize import EncodeConfig, OverlongCounter
-from llm.data.tokenize_lm import encode_sft
 from llm.run_dpo import main as dpo_main
 from llm.run_finetune import main as sft_main
 from llm.utils.errors import run_cli

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from llm.alignment.lm import readout_log_probs
 from llm.alignment.sft.loss import perplexity
 from llm.alignment.sft.trainer import SFTTrainer
+from llm.data.encode_lm import encode_sft, render_conversation
+from llm.data.encoding import EncodeConfig, OverlongCounter
 from llm.data.packing import collate, pack
 from llm.data.readers import SFTRecord, read_records
-from llm.data.tokenize import EncodeConfig, OverlongCounter
-from llm.data.tokenize_lm import encode_sft, render_conversation
 from llm.settings.flat import TrainingArguments
 from tests.helpers import ROOT, tiny_model, tokenizer, twin
 

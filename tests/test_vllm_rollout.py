@@ -16,7 +16,7 @@ import torch
 
 from llm.alignment.ppo import generation
 from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
-from llm.alignment.ppo.records import RoleFailure, Samples
+from llm.alignment.ppo.interfaces import RoleFailure, Samples
 from llm.alignment.ppo.roles import PolicyModel
 from llm.run_ppo import main
 from llm.settings.load import parse_ppo_config

@@ -25,9 +25,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from llm.alignment.lm import load_causal_lm
 from llm.alignment.trainer import AlignmentTrainer
+from llm.data.encoding import resolve_chat_template
 from llm.data.packing import collate
 from llm.data.prepare import PackedData, plan_summary, train_and_dev
-from llm.data.tokenize import resolve_chat_template
 from llm.settings.flat import DataArgument, ModelArgument, TrainingArguments, recompute_mode
 from llm.utils.attention import kernel_for
 from llm.utils.lora import apply_lora, check_lora_arguments, quantization_config

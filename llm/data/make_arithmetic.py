@@ -5,7 +5,7 @@ Run from the repository root::
     python -m llm.data.make_arithmetic [--out-dir DIR]
 
 Each record is a PPO/GRPO prompt ``{"src": "What is a+b? Answer with just the number.", "tgt": "<a+b>"}``
-with two-digit operands, scored by the rule reward ``llm.alignment.ppo.rules:math_exact_match`` (the last
+with two-digit operands, scored by the rule reward ``llm.alignment.ppo.rewards.rule_functions:math_exact_match`` (the last
 number of the response equals ``tgt``). SmolLM2-135M-Instruct answers such sums right only some of the time
 (it says 12+7 = 8), which makes them a task on which reinforcement learning can show progress on a CPU.
 Train and dev prompts share no (a, b) pair.

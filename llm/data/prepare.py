@@ -7,9 +7,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from llm.data.encoding import OverlongCounter, encode_all
 from llm.data.packing import Example, PackedRow, PackStats, StreamedRows, pack
 from llm.data.readers import load_dataset_records
-from llm.data.tokenize import OverlongCounter, encode_all
 from llm.settings.flat import DataArgument, TrainingArguments
 from llm.utils.errors import UserError
 

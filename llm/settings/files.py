@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from llm.settings.dialects.mindspeed.files import load_yaml
+from llm.settings.yaml_files import load_yaml
 from llm.utils.errors import UserError
 from llm.utils.paths import nearest_hint, resolve_input_path, tried
 
 JSON_EXTENSIONS = (".json",)
-LAUNCH_SCRIPT_EXTENSIONS = (".sh",)  # an OpenLLaMA2 / OpenRLHF launch script (dialects/openrlhf.py)
+LAUNCH_SCRIPT_EXTENSIONS = (".sh",)  # an OpenLLaMA2 / OpenRLHF launch script (dialects/openrlhf/)
 YAML_EXTENSIONS = (".yaml", ".yml")
 
 

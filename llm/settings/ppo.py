@@ -1,7 +1,7 @@
 """PPO configuration in MindSpeed-LLM's layout, the schema: ``training`` defaults that roles override, one
 section per role, ``algorithm``, ``resource_pool`` and ``data``. Every section is a dataclass; every value
-is type-checked (``llm.settings.fields``) and sizes are bounded (``metadata={"min": ...}``) when config.py
-reads a file into them; config.py also checks what the types cannot say."""
+is type-checked (``llm.settings.fields``) and sizes are bounded (``metadata={"min": ...}``) when ``llm.settings.load``
+reads a file into them; ``llm.settings.ppo_validation`` also checks what the types cannot say."""
 
 from __future__ import annotations
 
@@ -250,7 +250,7 @@ class RefSection(FrozenModelSection):
 @dataclass
 class RewardSection(FrozenModelSection):
     type: str = _f("rule", "a registered reward type (rewards/): orm | prm | rule | http, or one a module registers")
-    rule: str = "llm.alignment.ppo.rules:math_exact_match"
+    rule: str = "llm.alignment.ppo.rewards.rule_functions:math_exact_match"
     url: str | None = _f(None, "type http: the scoring server, an http:// or https:// URL (redirects are not followed)")
     timeout: float = _f(30.0, "seconds one HTTP reward request may take in all (connect, send, whole answer)", low=0)
     max_retries: int = _f(2, "type http: retries of a failed request (connection error, timeout, 429, 5xx)", low=0)

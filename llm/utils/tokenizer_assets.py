@@ -29,7 +29,7 @@ from tokenizers import (
 from transformers import PreTrainedTokenizerFast
 
 # The corpus and the PRM placeholder, as ``llm.data.make_sample_data`` writes them (not imported: utils does
-# not depend on the data generator; tests/test_ppo_structure.py checks that both agree).
+# not depend on the data generator; tests/test_repository.py checks that both agree).
 SAMPLE_DIR = Path(__file__).resolve().parents[1] / "data" / "sample"
 PLACEHOLDER = "ки"
 TINY_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "assets" / "tiny_tokenizer"

@@ -14,8 +14,8 @@ from llm.alignment.dpo.trainer import DPOTrainer, collate_pairs
 from llm.alignment.lm import load_causal_lm
 from llm.alignment.recipe import Recipe, build_trainer
 from llm.alignment.sft.build import encode_config
+from llm.data.encode_lm import encode_pair_for_lm
 from llm.data.prepare import PackedData, load_packed
-from llm.data.tokenize_lm import encode_pair_for_lm
 from llm.settings.dpo import DPOModelArgument, DPOTrainingArguments
 from llm.settings.flat import DataArgument
 from llm.utils.errors import UserError

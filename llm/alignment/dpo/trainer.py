@@ -1,7 +1,7 @@
 """DPO and its variants (IPO, hinge, SimPO, ORPO) on packed pairs ``[prompt | chosen | rejected]``.
 
 One item = one pair: per-pair losses are summed and divided by the global pair count of the
-optimizer step. Sequence log-probs are sums over the answer tokens' readouts (``tokenize_lm``
+optimizer step. Sequence log-probs are sums over the answer tokens' readouts (``encode_lm``
 puts a readout at every answer token; the first rejected token is read at the last prompt position).
 
 The reference log-probs of a pair come, in order of preference, from the batch (precomputed once
@@ -21,8 +21,8 @@ import torch
 from llm.alignment.dpo.loss import PairLogProbs, loss_spec, mean_nll, preference_loss
 from llm.alignment.lm import READOUT_CHUNK, check_packed_attention, per_example_sums, token_log_probs
 from llm.alignment.trainer import AlignmentTrainer, ItemOutputs, gather_objects
+from llm.data.encode_lm import CHOSEN, PROMPT, REJECTED
 from llm.data.packing import PackedBatch, PackedRow, collate
-from llm.data.tokenize_lm import CHOSEN, PROMPT, REJECTED
 from llm.utils.distributed import with_spares
 from llm.utils.lora import is_peft_model, reference_model
 

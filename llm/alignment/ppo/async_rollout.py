@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llm.alignment.ppo.records import Samples
+from llm.alignment.ppo.interfaces import Samples
 from llm.alignment.ppo.roles import PolicyModel
 from llm.utils.lora import is_peft_model
 

@@ -24,8 +24,8 @@ from llm.alignment.ppo.rewards import ORMReward, RewardFunction, reward_type, sa
 from llm.alignment.ppo.roles import ActorRole, CriticRole, PolicyModel
 from llm.alignment.ppo.trainer import PPOTrainer
 from llm.alignment.ppo.update import PolicyUpdate, ValueUpdate
+from llm.data.encoding import resolve_chat_template
 from llm.data.readers import load_dataset_records
-from llm.data.tokenize import resolve_chat_template
 from llm.settings.ppo import PPOConfig, shares_actor_base
 from llm.utils.errors import UserError
 from llm.utils.modeling import load_tokenizer

@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from llm.alignment.ppo.records import Scored
+from llm.alignment.ppo.interfaces import Scored
 from llm.settings.ppo import PPOConfig
 from llm.utils.errors import UserError
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from llm.alignment.lm import readout_hidden
-from llm.alignment.ppo.records import Samples
+from llm.alignment.ppo.interfaces import Samples
 from llm.data.packing import causal_example, collate, pack
 from llm.utils.distributed import most_over_ranks, with_spares
 

@@ -6,7 +6,7 @@ step updates)."""
 from __future__ import annotations
 
 from llm.alignment.ppo.async_rollout import AsyncRollouts
-from llm.alignment.ppo.records import RoleFailure
+from llm.alignment.ppo.interfaces import RoleFailure
 from llm.alignment.ppo.samples_log import trim_samples
 from llm.utils import preemption
 

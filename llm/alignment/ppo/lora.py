@@ -25,7 +25,7 @@ from llm.utils.errors import UserError
 from llm.utils.lora import apply_lora, reference_model
 
 if TYPE_CHECKING:
-    from llm.alignment.ppo.records import Samples
+    from llm.alignment.ppo.interfaces import Samples
     from llm.settings.ppo import PPOConfig
 
 TASKS = {"actor_rollout": "causal_lm", "critic": "seq_cls"}

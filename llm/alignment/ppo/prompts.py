@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from llm.alignment.ppo.records import Samples
+from llm.alignment.ppo.interfaces import Samples
+from llm.data.encoding import render_prompt
 from llm.data.readers import PromptRecord
-from llm.data.tokenize import render_prompt
 from llm.utils.errors import UserError
 
 

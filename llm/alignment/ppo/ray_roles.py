@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from llm.alignment.ppo.records import RoleFailure
+from llm.alignment.ppo.interfaces import RoleFailure
 from llm.settings.ppo import PPOConfig, ResourcePool
 from llm.utils import preemption
 from llm.utils.distributed import share

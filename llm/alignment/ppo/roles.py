@@ -1,4 +1,4 @@
-"""The model roles of PPO behind small interfaces (records.py's protocols):
+"""The model roles of PPO behind small interfaces (interfaces.py's protocols):
 
 - ``PolicyModel`` (reference, rollout copy): ``generate`` and per-token ``log_probs`` of responses.
 - ``ActorRole`` (the trained policy): a ``PolicyModel`` that also owns its optimizer and runs the
@@ -29,9 +29,9 @@ from llm.alignment.ppo import generation
 from llm.alignment.ppo.algorithm import kl_estimate, token_stats, value_loss
 from llm.alignment.ppo.engine import per_token, readout_tokens
 from llm.alignment.ppo.fsdp import FULL, GATHER, head_linear
+from llm.alignment.ppo.interfaces import PolicyBatch, Samples, UpdateStats, ValueBatch
 from llm.alignment.ppo.objectives import Counts, aggregate, policy_loss
 from llm.alignment.ppo.optim import TrainableRole
-from llm.alignment.ppo.records import PolicyBatch, Samples, UpdateStats, ValueBatch
 from llm.alignment.ppo.update import PolicyUpdate, ValueUpdate, run_update
 from llm.utils.lora import is_peft_model, merged_state_dict
 

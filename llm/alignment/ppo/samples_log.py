@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from llm.alignment.ppo.records import Experience
+from llm.alignment.ppo.interfaces import Experience
 
 SAMPLES_FILE = "samples.jsonl"
 

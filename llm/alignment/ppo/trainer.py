@@ -6,7 +6,7 @@
     update (actor and critic mini-batch epochs) -> step statistics
 
 Not a copy of ``Trainer.train``: each phase is a method that only talks to the role interfaces
-(records.py's protocols) with records and tensors in and statistics out; a role object is the role
+(interfaces.py's protocols) with records and tensors in and statistics out; a role object is the role
 itself (roles.py, rewards/) or its Ray proxy (ray_roles.py), and nothing here depends on which.
 """
 
@@ -33,9 +33,7 @@ from llm.alignment.ppo.algorithm import (
 )
 from llm.alignment.ppo.async_rollout import AsyncRollouts
 from llm.alignment.ppo.dapo import DAPO
-from llm.alignment.ppo.loop import train_loop
-from llm.alignment.ppo.prompts import Prompt, make_samples
-from llm.alignment.ppo.records import (
+from llm.alignment.ppo.interfaces import (
     Actor,
     Critic,
     Experience,
@@ -47,6 +45,8 @@ from llm.alignment.ppo.records import (
     UpdateStats,
     ValueBatch,
 )
+from llm.alignment.ppo.loop import train_loop
+from llm.alignment.ppo.prompts import Prompt, make_samples
 from llm.alignment.ppo.samples_log import SAMPLES_FILE, append_samples, sample_rows, samples_markdown
 from llm.settings.ppo import PPOConfig
 from llm.utils.errors import UserError

@@ -15,7 +15,7 @@ the tokenizer's EOS only (``generation_config: vllm``, so a model's generation c
 no sampling defaults), EOS kept in the response, ``ignore_eos`` for exactly ``max_new_tokens``. Every response
 is its own request with its own seed (from the step's seed and its index), so a run is reproducible whatever
 vLLM batches together. ``with_log_probs``: the sampled tokens' log-probs as vLLM's sampler computes them
-(``logprobs_mode: processed_logprobs``: after temperature; config.py requires top-p 1 and top-k 0 for it,
+(``logprobs_mode: processed_logprobs``: after temperature; the config check (``llm.settings.ppo_validation``) requires top-p 1 and top-k 0 for it,
 where they equal the trainer's distribution).
 
 vLLM is optional (requirements-vllm.txt) and imported only here, only when a config asks for it.
@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from llm.alignment.ppo.records import RoleFailure
+from llm.alignment.ppo.interfaces import RoleFailure
 from llm.utils.errors import UserError
 
 INSTALL = (

@@ -14,9 +14,9 @@ from llm.alignment.rm.evaluation import AGGREGATIONS
 from llm.alignment.rm.orm_trainer import ORMTrainer
 from llm.alignment.rm.prm_trainer import PRMTrainer
 from llm.alignment.rm.trainer import RewardTrainer
+from llm.data.encoding import add_placeholder_token, single_token_id
 from llm.data.prepare import PackedData
 from llm.data.readers import PRMRecord
-from llm.data.tokenize import add_placeholder_token, single_token_id
 from llm.settings.flat import DataArgument, recompute_mode
 from llm.settings.reward import RewardModelArgument, RewardTrainingArguments
 from llm.utils.errors import UserError

@@ -11,19 +11,11 @@ import functools
 
 from transformers import PreTrainedTokenizerBase
 
+from llm.data.encode_reward import encode_pair_for_scores, encode_prm
+from llm.data.encoding import EncodeConfig, OverlongCounter, fit_prompt, placeholder_token_id, render_prompt, start_ids
 from llm.data.packing import Example, causal_example
 from llm.data.prepare import PackedData, load_packed
 from llm.data.readers import PRMRecord
-from llm.data.tokenize import (
-    EncodeConfig,
-    OverlongCounter,
-    encode_pair_for_scores,
-    encode_prm,
-    fit_prompt,
-    placeholder_token_id,
-    render_prompt,
-    start_ids,
-)
 from llm.settings.flat import DataArgument
 from llm.settings.reward import RewardModelArgument
 from llm.settings.shared import reward_token_pair

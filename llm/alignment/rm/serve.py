@@ -96,7 +96,7 @@ class RewardScorer:
         self.stopping = False  # set when the server stops: new requests are refused (503)
 
     def samples(self, prompts, responses, references, ended):
-        from llm.alignment.ppo.records import Samples
+        from llm.alignment.ppo.interfaces import Samples
 
         tok = self.tokenizer
         eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
@@ -211,7 +211,7 @@ def build_scorer(model_args, training_args, serve_args: ServeArgument, max_token
     from llm.alignment.ppo.rewards import ORMReward, PRMReward
     from llm.alignment.rm.build import build_reward_model
     from llm.alignment.rm.data import reward_tokens
-    from llm.data.tokenize import single_token_id
+    from llm.data.encoding import single_token_id
     from llm.utils.modeling import load_tokenizer
 
     tokenizer = load_tokenizer(model_args.tokenizer_name_or_path or model_args.model_name_or_path)

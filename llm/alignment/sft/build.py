@@ -8,9 +8,9 @@ from transformers import PreTrainedTokenizerBase
 
 from llm.alignment.recipe import Recipe, build_trainer
 from llm.alignment.sft.trainer import SFTTrainer
+from llm.data.encode_lm import encode_sft
+from llm.data.encoding import EncodeConfig
 from llm.data.prepare import PackedData, load_packed
-from llm.data.tokenize import EncodeConfig
-from llm.data.tokenize_lm import encode_sft
 from llm.settings.flat import DataArgument, ModelArgument, TrainingArguments
 
 

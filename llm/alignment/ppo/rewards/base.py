@@ -1,5 +1,5 @@
 """What every reward is, and the registry of reward types that both the config check (``reward.type``,
-config.py) and the builder (build.py) read.
+``llm.settings.ppo_validation``) and the builder (build.py) read.
 
 A reward type is one class with ``score(samples) -> RewardOutput`` and a ``from_config(config, place)``
 constructor, registered with ``@register_reward(name, ...)``: the config then accepts ``reward.type:
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from llm.alignment.ppo.records import RewardOutput, Samples
+from llm.alignment.ppo.interfaces import RewardOutput, Samples
 from llm.settings.registry import REWARD_TYPES
 from llm.utils.errors import UserError
 

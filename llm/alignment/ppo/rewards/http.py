@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llm.alignment.ppo.records import RewardOutput, RoleFailure, Samples
+from llm.alignment.ppo.interfaces import RewardOutput, RoleFailure, Samples
 from llm.alignment.ppo.rewards.base import RewardFunction, check_score, register_reward
 from llm.settings.ppo import check_reward_url
 

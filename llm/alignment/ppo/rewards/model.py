@@ -19,13 +19,14 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from llm.alignment.lm import full_weight
 from llm.alignment.ppo.engine import forward_readouts
 from llm.alignment.ppo.fsdp import head_linear
+from llm.alignment.ppo.interfaces import RewardOutput, Samples
 from llm.alignment.ppo.loading import actor_tokenizer, load_frozen, offload_idle
-from llm.alignment.ppo.records import RewardOutput, Samples
 from llm.alignment.ppo.rewards.base import RewardFunction, register_reward
 from llm.alignment.rm.evaluation import AGGREGATIONS
 from llm.alignment.rm.loss import step_scores
+from llm.data.encode_reward import prm_response_ids
+from llm.data.encoding import single_token_id
 from llm.data.packing import causal_example
-from llm.data.tokenize import prm_response_ids, single_token_id
 from llm.settings.registry import PRM_AGGREGATIONS
 from llm.settings.shared import reward_token_pair
 from llm.utils.modeling import load_tokenizer

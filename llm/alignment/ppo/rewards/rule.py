@@ -1,16 +1,22 @@
 """``reward.type: rule``: a Python function of the user's, ``reward.rule = "module:function"``, called as
-``function(prompt, response, reference) -> float`` (ready-made ones: ``llm.alignment.ppo.rules``)."""
+``function(prompt, response, reference) -> float`` (ready-made ones: ``llm.alignment.ppo.rewards.rule_functions``)."""
 
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
-from llm.alignment.ppo.records import RewardOutput, RoleFailure, Samples
+from llm.alignment.ppo.interfaces import RewardOutput, RoleFailure, Samples
 from llm.alignment.ppo.rewards.base import RewardFunction, check_score, register_reward
 from llm.utils.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+# modules of ready-made rules that moved: configs written with the old name keep working (and keep their fingerprint)
+MOVED_MODULES = {"llm.alignment.ppo.rules": "llm.alignment.ppo.rewards.rule_functions"}
 
 if TYPE_CHECKING:
     from llm.alignment.ppo.loading import Place
@@ -27,6 +33,9 @@ class RuleReward(RewardFunction):
         module_name, _, fn_name = spec.partition(":")
         if not module_name or not fn_name:
             raise UserError(f"reward.rule {spec!r}: must be 'package.module:function'")
+        if module_name in MOVED_MODULES:
+            logger.info("reward.rule %s: module %s is now %s", spec, module_name, MOVED_MODULES[module_name])
+            module_name = MOVED_MODULES[module_name]
         try:
             self.fn = getattr(importlib.import_module(module_name), fn_name)
         except (ImportError, AttributeError, ValueError) as err:

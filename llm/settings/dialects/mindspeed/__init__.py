@@ -20,7 +20,7 @@ name that cannot take effect here stops the run, unless its value means what thi
 
 from llm.settings.dialects.mindspeed.architecture import ARCHITECTURE, KERNELS, check_architecture
 from llm.settings.dialects.mindspeed.convert import translate
-from llm.settings.dialects.mindspeed.files import is_mindspeed_layout, load_yaml
+from llm.settings.dialects.mindspeed.files import is_mindspeed_layout
 from llm.settings.dialects.mindspeed.names import RULES
 from llm.settings.dialects.mindspeed.rule_types import (
     ACTOR,
@@ -47,6 +47,5 @@ __all__ = [
     "Translation",
     "check_architecture",
     "is_mindspeed_layout",
-    "load_yaml",
     "translate",
 ]

@@ -1,4 +1,4 @@
-"""``translate``: the top-level entry ``config.py`` calls, one MindSpeed-layout config into this project's
+"""``translate``: the entry ``llm.settings.load`` calls, one MindSpeed-layout config into this project's
 layout: merge, pool, every name through ``RULES``, then precision, sampling and MindSpeed's defaults."""
 
 from __future__ import annotations

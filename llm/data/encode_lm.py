@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from llm.data.encoding import EncodeConfig, OverlongCounter
 from llm.data.packing import Example, causal_example, pair_coordinates, pair_example
-from llm.data.tokenize import EncodeConfig, OverlongCounter
 from llm.utils.errors import UserError
 
 CHOSEN, REJECTED, PROMPT = 0, 1, 2  # readout_part of LM readouts; PROMPT readouts only for ORPO's NLL term
