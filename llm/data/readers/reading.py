@@ -75,16 +75,20 @@ def check_placeholder(placeholder: str) -> str:
     return placeholder
 
 
+# each data kind's record parser (its module holds the kind's schema)
+PARSERS = {
+    "prm": parse_prm,
+    "pair": parse_pair,
+    "prompt": parse_prompt,
+    "sft": parse_sft,
+    "orm_eval": parse_orm_eval,
+}
+
+
 def iter_validated(
     path: str, fmt: str, kind: str, tokens: tuple[str, str], placeholder: str, names: dict[str, str]
 ) -> Iterator[Record]:
-    parse = {
-        "prm": parse_prm,
-        "pair": parse_pair,
-        "prompt": parse_prompt,
-        "sft": parse_sft,
-        "orm_eval": parse_orm_eval,
-    }[kind]
+    parse = PARSERS[kind]
     index = 0
     for line, obj in iter_raw(path, fmt):
         where = RecordPlace(path, index, line, names)

@@ -13,7 +13,7 @@ Their layout (``configs/rlxf/ppo_trainer_*.yaml``, read by hydra in ``ray_gpt.py
 A role's arguments are its model file < ``training`` < its own section, merged
 (``parse_args_from_config``, mindspeed_llm/tasks/posttrain/rlxf/training/initialize.py) and handed to
 Megatron's argument parser. ``translate`` makes the same merge and maps every name onto this project's
-fields with MindSpeed's meaning: ``RULES`` is the table (README "PPO configuration" has it in prose). A
+fields with MindSpeed's meaning: ``RULES`` is the table (docs/dialects.md shows it, generated). A
 name that cannot take effect here stops the run, unless its value means what this trainer does anyway
 (then a line in the log says so); our own field names are accepted too (``init_from_config``, ``type``).
 """

@@ -50,6 +50,7 @@ def _rope(config: Any) -> dict:
 
 
 def architecture_name(t: Translation, role: str, g: Given) -> None:
+    """Checked against the `config.json` of the role's `load` directory; a mismatch stops."""
     t.typed(g, bool | int | float | str)  # compared with config.json once load is known (check_architecture)
 
 

@@ -1,6 +1,9 @@
 """The per-name handlers that map a MindSpeed value onto this project's fields: plain copies (``to``),
 accepted names with no effect here (``no_effect``, ``kernel``), and the names that need work (the model and
-data paths, output, tokenizer, per-rank batch sizes, the warmup in Megatron's samples)."""
+data paths, output, tokenizer, per-rank batch sizes, the warmup in Megatron's samples).
+
+A handler's docstring (the first paragraph; set by the factories for the handlers they make) says what the name
+becomes here, for users: ``python -m llm.docs_tables`` writes it into docs/dialects.md's name table."""
 
 from __future__ import annotations
 
@@ -19,10 +22,29 @@ def to(field: str, section: str | None = None, convert: Callable[[Any], Any] | N
     def apply(t: Translation, role: str, g: Given) -> None:
         t.set(section or role, field, g.value if convert is None else convert(g.value), g.where)
 
+    how = f" ({convert.__doc__.strip()})" if convert is not None else ""
+    apply.__doc__ = f"`{section or '<role>'}.{field}`{how}"
     return apply
 
 
+def later(what: str):
+    """Read after every name is (the value depends on other names): ``what`` says how."""
+
+    def apply(t: Translation, role: str, g: Given) -> None:
+        return None
+
+    apply.__doc__ = what
+    return apply
+
+
+def negated(value: bool) -> bool:
+    """negated"""
+    return not value
+
+
 def kernel(t: Translation, role: str, g: Given) -> None:
+    """Accepted, one line in the log: a Megatron / Ascend kernel choice; the Hugging Face model computes the same
+    function with its own kernels."""
     t.typed(g, bool | str | int | float)
     t.kernels.add(g.name)
 
@@ -34,10 +56,14 @@ def no_effect(why: str, annotation: Any = bool):
         t.typed(g, annotation)
         t.note(g.where, f"{g.value!r}: {why}")
 
+    apply.__doc__ = f"accepted, no effect (a line in the log): {why}"
     return apply
 
 
 def load(t: Translation, role: str, g: Given) -> None:
+    """`<role>.model_name_or_path`: a Hugging Face directory; a Megatron checkpoint
+    (`latest_checkpointed_iteration.txt`, `iter_*`) stops, asking for the converted one. `reward.load` makes
+    `reward.type` `orm`."""
     value = t.typed(g, str)
     found = resolve_input_path(value)
     if found is None:
@@ -61,12 +87,14 @@ def load(t: Translation, role: str, g: Given) -> None:
 
 
 def save(t: Translation, role: str, g: Given) -> None:
+    """`training.output_dir` (one, with `actor/` and `critic/` inside, Hugging Face format)."""
     t.set("training", "output_dir", t.typed(g, str), g.where)
     label = "actor" if role == "actor_rollout" else role
     t.note(g.where, f"training.output_dir: the {label} is written to {os.path.join(g.value, label)}/ (Hugging Face)")
 
 
 def tokenizer_name(t: Translation, role: str, g: Given) -> None:
+    """The actor's and the reward's `tokenizer_name_or_path`; ref and critic must use the actor's."""
     value = t.typed(g, str)
     if role in ("actor_rollout", "reward"):
         t.set(role, "tokenizer_name_or_path", value, g.where)
@@ -77,10 +105,13 @@ def tokenizer_name(t: Translation, role: str, g: Given) -> None:
 
 
 def bf16(t: Translation, role: str, g: Given) -> None:
+    """`training.bf16` (actor and critic must agree); `ref.dtype` / `reward.dtype` where they differ."""
     t.typed(g, bool)  # the roles' values are compared in _precision
 
 
 def mini_batch(field: str):
+    """The per-rank size MindSpeed reads, times the role's devices (ours count all ranks)."""
+
     def apply(t: Translation, role: str, g: Given) -> None:
         per_rank = t.typed(g, int)
         ranks = t.ranks[role]
@@ -88,10 +119,14 @@ def mini_batch(field: str):
         if ranks > 1:
             t.note(g.where, f"{per_rank} per rank x {ranks} ranks: {field} {per_rank * ranks} (ours counts all ranks)")
 
+    apply.__doc__ = f"`<role>.{field}`: the per-rank value x the role's devices (ours count all ranks)"
     return apply
 
 
 def warmup_name(t: Translation, role: str, g: Given) -> None:
+    """`<role>.lr_warmup_steps`, converted from Megatron's scheduler samples to optimizer steps (MindSpeed
+    advances the actor's scheduler by 1 per optimizer step, the critic's by `critic_mini_batch_size`);
+    `lr_warmup_fraction` wins over `lr_warmup_iters`, as in Megatron."""
     name = g.name
     if name == "lr_warmup_iters" and t.given(role, "lr_warmup_fraction") is not None:
         t.note(g.where, "no effect: lr_warmup_fraction wins, as in Megatron")
@@ -116,10 +151,14 @@ def warmup_name(t: Translation, role: str, g: Given) -> None:
 
 
 def cliprange_or_none(value: float) -> float | None:
+    """<= 0: no clipping"""
     return value if value > 0 else None  # critic.py: no clipping unless cliprange_value > 0
 
 
 def data_path_name(t: Translation, role: str, g: Given) -> None:
+    """`data.train_dataset_path` when it is a prompt file this project reads; a Megatron preprocessed prefix
+    (`*_packed_*.bin/.idx`) or a blend stops, asking for the file `preprocess_data.py` read (with
+    `data.map_keys` for what `--map-keys` said)."""
     value = t.typed(g, str).strip()
     if len(value.split()) > 1:
         raise t.fail(
@@ -148,4 +187,6 @@ def data_path_name(t: Translation, role: str, g: Given) -> None:
 
 
 def temperature(t: Translation, role: str, g: Given) -> None:
+    """`actor_rollout.temperature` when sampling (MindSpeed's default 0.7; the log-probs use it too here, where
+    MindSpeed scores at 1); 1 when greedy."""
     t.typed(g, float)  # applied in _sampling, which knows do_sample

@@ -1,5 +1,6 @@
 """``RULES``: every MindSpeed name, the roles that read it in MindSpeed's PPO, its handler, and where
-MindSpeed-LLM / Megatron reads it (the justification of the mapping; README "PPO configuration" in prose)."""
+MindSpeed-LLM / Megatron reads it (the justification of the mapping). docs/dialects.md shows it as a table, made by
+``python -m llm.docs_tables`` from the rules and their handlers' docstrings."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from llm.settings.dialects.mindspeed.handlers import (
     cliprange_or_none,
     data_path_name,
     kernel,
+    later,
     load,
     mini_batch,
+    negated,
     no_effect,
     save,
     temperature,
@@ -28,6 +31,12 @@ S_CRITIC = "rlxf/workers/critic.py"
 S_TRAINER = "rlxf/ray_trainer/ppo_trainer.py"
 S_SCHED = "Megatron training.py get_optimizer_param_scheduler / OptimizerParamScheduler"
 S_OPT = "Megatron arguments.py _add_regularization_args, optimizer (Adam + clip_grad_norm)"
+SEQ_LENGTH = later("`actor_rollout.max_response_length` = `seq_length` - `max_prompt_length`")
+GPU_SPLIT = later(
+    "read with `resource_pool`: `num_gpus_for_train` devices train the actor (`resource_pool.actor_rollout`), "
+    "`num_gpus_for_infer` make `resource_pool.rollout` (a generation copy); both or neither, summing to "
+    "MindSpeed's `resource_pool.actor_rollout`"
+)
 
 RULES: dict[str, Rule] = {
     # run: the driver and the actor's data / generation
@@ -37,11 +46,11 @@ RULES: dict[str, Rule] = {
     "global_batch_size": Rule(
         ACTOR, to("rollout_batch_size", "data"), f"{S_ACTOR} run_inference: gbs // dp prompts per inference rank"
     ),
-    "seq_length": Rule(ACTOR, lambda t, r, g: None, f"{S_ACTOR} run_inference: max_new_tokens = seq_length - mpl"),
+    "seq_length": Rule(ACTOR, SEQ_LENGTH, f"{S_ACTOR} run_inference: max_new_tokens = seq_length - mpl"),
     "max_prompt_length": Rule(ACTOR, to("max_prompt_length"), f"{S_ACTOR} dataset seq_length=max_prompt_length"),
     "data_path": Rule(ACTOR, data_path_name, f"{S_ACTOR} train_valid_test_datasets_provider: data_prefix=data_path"),
     "split": Rule(ACTOR, split, f"{S_ACTOR} build_blended_mtf_dataset(splits_string=split): only train is read"),
-    "no_shuffle": Rule(ACTOR, to("shuffle", "data", lambda v: not v), "mindspeed arguments.py --no-shuffle"),
+    "no_shuffle": Rule(ACTOR, to("shuffle", "data", negated), "mindspeed arguments.py --no-shuffle"),
     "seed": Rule(ALL, to("seed", "training"), "initialize.py _set_random_seed(args.seed); Megatron default 1234"),
     "tokenizer_type": Rule(
         ALL,
@@ -107,8 +116,8 @@ RULES: dict[str, Rule] = {
         no_effect("MindSpeed's PPO loss (loss_func_ppo) has no entropy term, so neither has this run", float),
         f"{S_ACTOR} loss_func_ppo: policy_loss = pg_loss",
     ),
-    "num_gpus_for_train": Rule(ACTOR, lambda t, r, g: None, "initialize.py TRAIN_SIZE + INFER_SIZE == actor pool"),
-    "num_gpus_for_infer": Rule(ACTOR, lambda t, r, g: None, "initialize.py: the actor's inference group"),
+    "num_gpus_for_train": Rule(ACTOR, GPU_SPLIT, "initialize.py TRAIN_SIZE + INFER_SIZE == actor pool"),
+    "num_gpus_for_infer": Rule(ACTOR, GPU_SPLIT, "initialize.py: the actor's inference group"),
     # the critic
     "cliprange_value": Rule(("critic",), to("cliprange_value", convert=cliprange_or_none), f"{S_CRITIC} loss_func"),
     "critic_mini_batch_size": Rule(("critic",), mini_batch("critic_mini_batch_size"), f"{S_CRITIC} (per rank)"),
@@ -184,7 +193,7 @@ RULES: dict[str, Rule] = {
     "save": Rule(TRAINED, save, "Megatron save_checkpoint(args.save) from ppo_trainer.py"),
     "recompute_granularity": Rule(
         TRAINED,
-        lambda t, r, g: recompute(t, r, g),
+        recompute,
         "Megatron --recompute-granularity full: whole layers recomputed",
     ),
     "recompute_method": Rule(TRAINED, no_effect("every decoder layer is checkpointed here", str), "Megatron"),

@@ -20,6 +20,7 @@ def same(annotation: Any, ok: Callable[[Any, Translation, str], bool], meaning: 
             raise t.fail(g.where, f"{value!r} cannot take effect here: {fix}")
         t.note(g.where, f"{value!r}: {meaning}")
 
+    apply.__doc__ = f"accepted (a line in the log) when it means: {meaning}; otherwise stops: {fix}"
     return apply
 
 
@@ -39,6 +40,8 @@ def tp(t: Translation, role: str) -> int:
 
 
 def decay(t: Translation, role: str, g: Given) -> None:
+    """`constant` = our schedule (constant after the warmup); `linear`, `cosine` or unset (Megatron's default is
+    linear) stop."""
     style = t.typed(g, str)
     if style != "constant":
         raise t.fail(
@@ -48,6 +51,7 @@ def decay(t: Translation, role: str, g: Given) -> None:
 
 
 def split(t: Translation, role: str, g: Given) -> None:
+    """`100,0,0` only (every prompt trains); valid or test parts stop."""
     text = str(g.value)
     parts = [p.strip() for p in re.split(r"[,/]", text)]
     try:
@@ -59,6 +63,7 @@ def split(t: Translation, role: str, g: Given) -> None:
 
 
 def stage_name(t: Translation, role: str, g: Given) -> None:
+    """`ray_ppo` only (GRPO is `algorithm.adv_estimator: grpo`); another stage stops."""
     stage = t.typed(g, str)
     if stage != "ray_ppo":
         hint = " (GRPO: algorithm.adv_estimator grpo with n_samples_per_prompt >= 2)" if stage == "ray_grpo" else ""
@@ -66,6 +71,7 @@ def stage_name(t: Translation, role: str, g: Given) -> None:
 
 
 def recompute(t: Translation, role: str, g: Given) -> None:
+    """`full`: `training.gradient_checkpointing: true`; `selective` stops."""
     value = t.typed(g, str)
     if value != "full":
         raise t.fail(g.where, f"{value!r}: only full recomputation (every decoder layer) is available here")

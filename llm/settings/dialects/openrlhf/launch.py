@@ -4,8 +4,8 @@ The script's one training command (a heredoc, ``read -r -d '' cmds <<EOF ... EOF
 ``deepspeed --module openrlhf.cli.train_sft --flag v \\``) must run the OpenRLHF script matching ours; ``TABLE``
 translates each flag with OpenRLHF's meaning (the argparse of OpenLLaMA2's ``examples/train_*.py``,
 OpenRLHF/OpenRLHF@55ccebea, and of ``openrlhf/cli/train_*.py`` at f9a8fe2d) onto our fields (flat for sft / rm / dpo,
-``llm.settings.ppo``'s sections for ppo), one line each in ``notes``, or refuses it with what to do (README
-"OpenRLHF / OpenLLaMA2 launch scripts"). A flag left out takes OpenLLaMA2's default where ours differs.
+``llm.settings.ppo``'s sections for ppo), one line each in ``notes``, or refuses it with what to do (the table, generated:
+docs/dialects.md). A flag left out takes OpenLLaMA2's default where ours differs.
 """
 
 from __future__ import annotations
