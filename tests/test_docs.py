@@ -1,7 +1,14 @@
 """The documentation stays true to the code: every table generated from the code (``llm/docs_tables.py``) is
-what the code makes now."""
+what the code makes now, and every relative link (with its anchor), repository path and ``llm.`` module named in
+README.md, ARCHITECTURE.md, docs/*.md and bench/README.md exists."""
 
 from __future__ import annotations
+
+import glob
+import importlib
+import importlib.util
+import os
+import re
 
 import pytest
 
@@ -115,3 +122,137 @@ def test_every_flat_field_has_help_and_a_row():
     for row in ("| `max_seq_len` | DataArgument | `4096` |", "| `process_reward` | RewardTrainingArguments |"):
         assert row in text
     assert "| `learning_rate` |" not in text  # transformers' own fields are not repeated
+
+
+# --- links and repository paths --------------------------------------------------------------------------------
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+# a repository path: starts with a top folder of the repository, not inside another path or a URL
+PATH = re.compile(r"(?<![\w./$~-])((?:llm|tests|bench|scripts|docs)/[\w./{},*<>-]*)")
+# ARCHITECTURE.md names the layers' files relative to llm/
+LLM_RELATIVE = re.compile(r"(?<![\w./$~-])((?:alignment|data|settings|utils)/[\w./{},*<>-]*)")
+MODULE = re.compile(r"(?<![\w./-])(llm(?:\.\w+)+)")
+FENCE = re.compile(r"^(```|~~~)")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    found, seen, fenced = set(), {}, False
+    for line in text.splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"#{1,6} (.+)", line)):
+            base = slug(m.group(1))
+            n = seen.get(base, 0)
+            seen[base] = n + 1
+            found.add(base if n == 0 else f"{base}-{n}")
+    return found
+
+
+def expand(path: str) -> list[str]:
+    """``a_{x,y}.json`` -> ``a_x.json``, ``a_y.json``."""
+    m = re.search(r"\{([^{}]*)\}", path)
+    if not m:
+        return [path]
+    return [q for part in m.group(1).split(",") for q in expand(path[: m.start()] + part + path[m.end() :])]
+
+
+def path_exists(path: str) -> bool:
+    full = os.path.join(docs_tables.ROOT, path)
+    return bool(glob.glob(full)) if "*" in path else os.path.exists(full)
+
+
+def broken_paths(text: str, relative_to_llm: bool = False) -> list[str]:
+    found = [(m.group(1), "") for m in PATH.finditer(text)]
+    if relative_to_llm:
+        found += [(m.group(1), "llm/") for m in LLM_RELATIVE.finditer(text)]
+    broken = []
+    for raw, prefix in found:
+        path = raw.rstrip(".,;:")
+        if "<" in path or ">" in path:  # a placeholder (llm/config/<model>/)
+            continue
+        broken += [prefix + p for p in expand(path) if not path_exists(prefix + p)]
+    return broken
+
+
+def is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent is no package
+        return False
+
+
+def broken_modules(text: str) -> list[str]:
+    """Dotted names ``llm.a.b`` (or ``llm.a.b.attribute``) that name no module (nor an attribute of one)."""
+    from llm.alignment.ppo.rewards.rule import MOVED_MODULES  # old names that configs may still give
+
+    broken = []
+    for m in MODULE.finditer(text):
+        name = m.group(1)
+        parts = name.split(".")
+        cut = next(c for c in range(len(parts), 0, -1) if is_module(".".join(parts[:c])))
+        rest = parts[cut:]
+        if name in MOVED_MODULES:
+            continue
+        if len(rest) > 1 or (rest and not hasattr(importlib.import_module(".".join(parts[:cut])), rest[0])):
+            broken.append(name)
+    return broken
+
+
+def broken_links(path: str, text: str) -> list[str]:
+    broken = []
+    for m in LINK.finditer(text):
+        target = m.group(1)
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        file, _, anchor = target.partition("#")
+        full = os.path.normpath(os.path.join(os.path.dirname(path), file)) if file else path
+        if not os.path.exists(full):
+            broken.append(target)
+        elif anchor and full.endswith(".md") and anchor not in anchors(read(full)):
+            broken.append(f"{target} (no such heading)")
+    return broken
+
+
+def test_every_link_and_repository_path_on_the_pages_exists():
+    problems = {}
+    for path in docs_tables.pages():
+        text = read(path)
+        name = os.path.relpath(path, docs_tables.ROOT)
+        found = broken_links(path, text) + broken_paths(text, name == "ARCHITECTURE.md") + broken_modules(text)
+        if found:
+            problems[name] = found
+    assert problems == {}, f"links, paths or modules that do not exist: {problems}"
+
+
+def test_the_checkers_find_what_is_missing(tmp_path):
+    page = tmp_path / "page.md"
+    text = (
+        "# Top\n\n## Scaling out: torchrun, FSDP2\n\n```\n# a comment, not a heading\n```\n\n"
+        "[ok](#scaling-out-torchrun-fsdp2) [bad](#a-comment-not-a-heading) [gone](nowhere.md) [web](https://x.org/a)\n"
+    )
+    page.write_text(text)
+    assert broken_links(str(page), text) == ["#a-comment-not-a-heading (no such heading)", "nowhere.md"]
+    assert anchors("# A\n# A\n") == {"a", "a-1"}
+    text = "`llm/run_reward.py`, `llm/run_rewards.py`, llm/config/<model>/x.json, `llm/run_*.py`, tests/nothing_*.py"
+    assert broken_paths(text) == ["llm/run_rewards.py", "tests/nothing_*.py"]
+    assert broken_paths("bench/results/real_learning_{orm,prm}_long.json, bench/results/x_{a,b}.json.") == [
+        "bench/results/x_a.json",
+        "bench/results/x_b.json",
+    ]
+    assert broken_paths("`alignment/ppo/objectives.py`, `alignment/ppo/rules.py`", relative_to_llm=True) == [
+        "llm/alignment/ppo/rules.py"
+    ]
+    text = "`llm.utils.gguf.smollm2_dir()`, llm.data.make_arithmetic, llm.alignment.ppo.rules, llm.utils.gguf.nothing"
+    assert broken_modules(text) == ["llm.utils.gguf.nothing"]
+    assert broken_modules("llm.no_such_module") == ["llm.no_such_module"]
+    assert slug("`bench_packing.py`: padded batches vs packed rows") == "bench_packingpy-padded-batches-vs-packed-rows"
+
+
+def test_the_readme_stays_a_front_door():
+    lines = read(os.path.join(docs_tables.ROOT, "README.md")).count("\n")
+    assert lines <= 350, f"README.md has {lines} lines: put reference material in docs/, measurements in bench/"
