@@ -330,6 +330,9 @@ def test_openllama2_pt_names_the_model_saved_for_it_and_a_real_pt_is_refused(tmp
     )
     assert ("--load_model ./ckpt/sft_model.pt: OpenLLaMA2's sft_model.pt; the model saved for it here, "
             "./ckpt/sft_model, is loaded (Hugging Face format)") in notes  # fmt: skip
+    # OpenLLaMA2's later scripts load sft_model_ocra.pt, which its users renamed sft_model.pt to
+    with pytest.raises(UserError, match=r"neither './ckpt/sft_model_ocra.pt' nor .*; ./ckpt holds sft_model: rename"):
+        translate(script(tmp_path, rm.replace("sft_model.pt", "sft_model_ocra.pt")), "rm")
     # OpenRLHF's own CLI saves the model in --save_path itself
     cli = f"openrlhf.cli.train_rm\n--pretrain ./ckpt/sft_model\n--dataset {data['pairs']}\n--save_path ./ckpt/rm"
     assert translate(script(tmp_path, cli, "cli.sh"), "rm")[0]["output_dir"] == "./ckpt/rm"

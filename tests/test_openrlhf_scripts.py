@@ -86,6 +86,12 @@ def test_commands_it_cannot_see_say_where_they_are(sh):
         translate(sh('set -x\nsrun bash -c "deepspeed ../train_sft.py --pretrain m"\n'))
     with pytest.raises(UserError, match="holds no OpenRLHF training command.*line 2 reads ./train_ppo_llama.sh"):
         translate(sh('readonly script="train_ppo_llama.sh"\nsource ./${script} slurm\n'))
+    with pytest.raises(UserError, match="line 2: --dataset starts a command of its own: the line before does not"):
+        translate(sh("deepspeed ../train_sft.py --pretrain m \\ \n  --dataset DATA\n"))  # a space after the \\
+    array = "ARGS=(\n  --pretrain m\n  # --lora_rank 8\n  --dataset DATA\n)\n"
+    array += 'deepspeed --module openrlhf.cli.train_sft "${ARGS[@]}"\n'
+    with pytest.raises(UserError, match=r"'\$\{ARGS\[@\]\}' holds \$\{ARGS\[...\]\}, a bash array, which this reader"):
+        translate(sh(array))
     with pytest.raises(UserError, match=r"line 2: a quote \(\"\) is never closed"):
         translate(sh('set -x\ndeepspeed ../train_sft.py --pretrain "m\n'))
     with pytest.raises(UserError, match="line 1: the here-document <<EOF is never closed: end it with a line"):

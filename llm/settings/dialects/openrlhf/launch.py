@@ -83,8 +83,13 @@ class _T:
             instead = f"the model saved for it here, {saved}" if saved else "run_finetune.py / run_reward.py write one"
             raise self.fail(name, f"{why}Face directory of that model ({instead})")
         if saved is None:
+            folder = os.path.dirname(stem)
             why = f"neither {value!r} nor the model saved for it here ({stem}/, which an OpenLLaMA2 script with "
-            raise self.fail(name, f"{why}--save_path {os.path.dirname(stem)} writes) exists: run that script first")
+            why += f"--save_path {folder} writes) exists: run that script first"
+            others = _saved_models(folder)
+            raise self.fail(
+                name, why + (f"; {folder} holds {', '.join(others)}: rename the one meant" if others else "")
+            )
         self.notes.append(f"{self.src(name)}: OpenLLaMA2's {os.path.basename(value)}; the model saved for it "
                           f"here, {saved}, is loaded (Hugging Face format)")  # fmt: skip
         return saved
@@ -270,6 +275,12 @@ class _T:
 Handler = Callable[[_T, str, Any], None]
 
 
+def _saved_models(folder: str) -> list[str]:
+    """The ``x_model`` directories in ``folder`` (what OpenLLaMA2 scripts run here saved), for a hint."""
+    found = resolve_input_path(folder or ".")
+    return sorted(d for d in os.listdir(found) if d.endswith("_model")) if found and os.path.isdir(found) else []
+
+
 def _rule(action: str, type_: Any) -> Handler:
     """A ``TABLE`` action as a handler."""
     if action == "*":
@@ -329,7 +340,10 @@ def _parse_flags(args: list[str], kind: str, path: str) -> dict[str, Any]:
     i = 0
     while i < len(args):
         if not args[i].startswith("--") or len(args[i]) == 2:
-            raise UserError(f"{path}: {args[i]!r} in the training command is not a --flag")
+            why = " (a space after a line's \\ escapes the space, and the line does not continue)"
+            raise UserError(
+                f"{path}: {args[i]!r} in the training command is not a --flag{why if args[i].isspace() else ''}"
+            )
         name, eq, text = args[i][2:].partition("=")
         if name not in known:
             raise UserError(f"{path}: --{name}: not a flag of OpenRLHF's train_{kind} that this reader knows; "

@@ -110,6 +110,8 @@ class _Shell:
             if kind == "word":
                 out[-1].start = out[-1].start if out[-1].words else m.start()
                 out[-1].words.append(raw)
+                if text.startswith("(", pos) and _ASSIGNMENT.fullmatch(raw):  # NAME=( ... ): an array, not read
+                    pos = self.array(pos + 1)
             elif kind == "redirect":  # its target (a file, 1 in 2>&1) is no word of the command
                 target = _DELIMITER.match(text, pos)
                 pos = target.end() if target else pos
@@ -132,6 +134,19 @@ class _Shell:
             doc["body"], pos = self.body(doc, pos)
         return [c for c in out if c.words]
 
+    def array(self, pos: int) -> int:
+        """Past the ``)`` closing the array whose elements start at ``pos`` (its value is not read: a command
+        using ``${NAME[@]}`` is refused, naming it)."""
+        start = pos
+        while pos < len(self.text):
+            m = _TOKEN.match(self.text, pos)
+            if m is None or m.lastgroup not in ("blank", "comment", "word", "op") or m.group() in "|&;(":
+                break
+            pos = m.end()
+            if m.group() == ")":
+                return pos
+        raise self.fail(start, "an array NAME=( ... ) is not closed by ): close it")
+
     def body(self, doc: dict, pos: int) -> tuple[str, int]:
         text, lines = self.text, []
         while pos < len(text):
@@ -148,7 +163,9 @@ class _Shell:
     # --- expansion
     def value(self, name: str, missing: list[str]) -> str:
         if name in self.variables:
-            missing.extend(f"{gap} (through ${name})" for gap in self.gaps.get(name, ()))
+            for gap in self.gaps.get(name, ()):  # "X (through $A, $B)": X unset, read through A then B
+                root, _, via = gap.partition(" (through ")
+                missing.append(f"{root} (through {via[:-1] + ', ' if via else ''}${name})")
             text = self.variables[name]
         else:
             text = os.environ.get(name)
@@ -247,6 +264,9 @@ class _Shell:
                     self.assign(word, doc)
             elif rest[0] == "read" and doc is not None:
                 self.read(rest[1:], doc)
+            elif rest[0].startswith("--"):  # bash: "command not found", after running the command before it
+                why = "the line before does not continue (end it with \\, nothing after it)"
+                raise self.fail(cmd.start, f"{rest[0]} starts a command of its own: {why}")
             elif rest[0] in ("source", ".") and len(rest) > 1:
                 self.hints.append(
                     f"line {self.line(cmd.start)} reads {' '.join(self.fields(rest[1], []))}: give that script"
@@ -260,10 +280,10 @@ class _Shell:
             raise UserError(f"{self.path}: holds {what}: a launch script read as a config runs one (deepspeed "
                             f"../train_sft.py or --module openrlhf.cli.train_sft with its flags){hints}")  # fmt: skip
         [((runs, layout, *args), (missing, _))] = found.items()
+        self.check_literal(args)
         if missing:
             raise UserError(f"{self.path}: the training command uses ${missing[0]}, which neither the script nor "
                             "the environment sets")  # fmt: skip
-        self.check_literal(args)
         return TrainingCommand(args, runs, layout)
 
     def candidate(self, words: list[str], cmd: _Command, found: dict) -> None:
@@ -289,6 +309,10 @@ class _Shell:
                 continue
             flag = next((a for a in reversed(args[: i + 1]) if a.startswith("--")), "the training command")
             flag = flag.partition("=")[0]
+            array = re.search(r"\$\{(\w+)\[", arg)
+            if array:
+                why = f"holds ${{{array.group(1)}[...]}}, a bash array, which this reader does not expand"
+                raise UserError(f"{self.path}: {flag}: {arg!r} {why}: write its flags into the training command")
             if "${" in arg and "$(" not in arg and "`" not in arg:
                 why = "holds ${...}, an expansion this reader does not do (only $NAME and ${NAME})"
             else:
