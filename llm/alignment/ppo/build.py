@@ -15,7 +15,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from llm.alignment.ppo.loading import Place, actor_tokenizer, load, offload_idle, optimizer_for
 from llm.alignment.ppo.lora import ActorBase, with_lora
@@ -28,7 +28,7 @@ from llm.data.encoding import resolve_chat_template
 from llm.data.readers import load_dataset_records
 from llm.settings.ppo import PPOConfig, shares_actor_base
 from llm.utils.errors import UserError
-from llm.utils.modeling import load_tokenizer
+from llm.utils.modeling import load_config, load_tokenizer
 from llm.utils.paths import resolve_paths
 
 logger = logging.getLogger(__name__)
@@ -102,10 +102,7 @@ def build_ref(c: PPOConfig, place: Place, roles: dict | None = None) -> PolicyMo
     path = c.ref.model_name_or_path or a.model_name_or_path
     from_config = a.init_from_config if path == a.model_name_or_path else c.ref.init_from_config
     model = load(c, AutoModelForCausalLM, path, from_config, tok, place, False, c.ref.dtype)
-    if (
-        path != a.model_name_or_path
-        and model.config.vocab_size != AutoConfig.from_pretrained(a.model_name_or_path).vocab_size
-    ):
+    if path != a.model_name_or_path and model.config.vocab_size != load_config(a.model_name_or_path).vocab_size:
         raise UserError("ref and actor_rollout models have different vocabularies: the reference must be the SFT model")
     ref = chunked_by(c, PolicyModel(model, tok, a.temperature, c.micro("ref")))
     return offload_idle(c, ref, model, "ref", place, ("log_probs",))
