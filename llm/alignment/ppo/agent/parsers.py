@@ -13,7 +13,7 @@ content. The formats, with the published examples the tests read:
 - ``llama3``: the whole reply one JSON object ``{"name": ..., "parameters": {...}}`` (Llama 3.1 / 3.2's JSON tool
   calling; ``arguments`` read too), after an optional ``<|python_tag|>``; several separated by ``;``.
 - ``mistral``: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`` (tokenizer v3) or
-  ``[TOOL_CALLS]NAME[ARGS]{...}`` (v11 and later).
+  ``[TOOL_CALLS]NAME[ARGS]{...}`` (v11 and later, with an optional ``[CALL_ID]id``).
 - ``glm4``: ``<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>`` (GLM-4.5).
 - ``pythonic``: ``[f(x=1, y="a"), g()]`` with literal arguments (Llama 3.2's pythonic calls, LFM2.5 inside
   ``<|tool_call_start|>...<|tool_call_end|>``).
@@ -173,7 +173,7 @@ def parse_glm4(text: str) -> ParsedReply:
     return out
 
 
-_MISTRAL_V11 = re.compile(r"\s*([^\s\[]+)\[ARGS\]")
+_MISTRAL_V11 = re.compile(r"\s*([^\s\[]+)(?:\[CALL_ID\][^\[]*)?\[ARGS\]")
 
 
 @register_format("mistral")

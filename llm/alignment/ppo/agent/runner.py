@@ -59,9 +59,8 @@ class EpisodeRunner:
     """``run(policy, tasks, samples_per_task, sampling)`` -> ``Rollout``. Built once per run: imports the
     environment and tools and checks the chat template (``ChatFormat``)."""
 
-    def __init__(self, e: EnvironmentConfig, tokenizer, max_prompt_length: int, max_response_length: int) -> None:
-        self.e, self.tokenizer = e, tokenizer
-        self.max_prompt_length, self.max_response_length = max_prompt_length, max_response_length
+    def __init__(self, e: EnvironmentConfig, tokenizer, max_response_length: int) -> None:
+        self.e, self.tokenizer, self.max_response_length = e, tokenizer, max_response_length
         self.envs = (
             Environments(e.name_or_path, e.kwargs, e.step_timeout, e.max_observation_chars) if e.name_or_path else None
         )
@@ -125,12 +124,9 @@ class EpisodeRunner:
         for m in first:
             ep.note(m["role"], m["content"])
         ep.prompt_ids = self.chat.prompt_ids(first)
-        if len(ep.prompt_ids) > self.max_prompt_length:
+        if len(ep.prompt_ids) >= self.e.max_episode_tokens:  # (the tools' descriptions count too)
             n, ep.prompt_ids = len(ep.prompt_ids), []  # the sample keeps the data's prompt
-            self._fail(
-                ep,
-                f"the first prompt renders to {n} tokens, more than actor_rollout.max_prompt_length={self.max_prompt_length}",
-            )
+            self._fail(ep, f"the first prompt renders to {n} tokens, no room left in environment.max_episode_tokens")
 
     def _generate(self, policy, live: list[Episode], sampling: dict[str, Any], round_: int, with_log_probs: bool):
         """One model turn for every live episode; the turns' texts (for the answers), after the bookkeeping."""
