@@ -19,6 +19,8 @@ class Prompt:
     ids: list[int]
     text: str
     reference: str | None
+    messages: list[dict] | None = None  # the conversation the ids render (multi-turn episodes render it again)
+    record: dict | None = None  # the prompt record's fields as read (an environment's task)
 
 
 def prompt_stream(n_prompts: int, position: int, count: int, seed: int, shuffle: bool) -> list[int]:
@@ -96,7 +98,7 @@ def prompts_from_records(
             too_long.append((rec, len(ids)))
             continue
         text = tokenizer.decode(ids, skip_special_tokens=True)
-        out.append(Prompt(ids, text, rec.reference))
+        out.append(Prompt(ids, text, rec.reference, rec.prompt, rec.fields))
     if too_long:
         rec, n = too_long[0]
         raise UserError(

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from llm.alignment.ppo.agent.source import MultiTurn
 from llm.alignment.ppo.algorithm import (
     ADV_ESTIMATORS,
     KL_CONTROLLERS,
@@ -100,11 +101,11 @@ class PPOTrainer:
 
     # --- phase 1: rollout (a rollout source: rollout.py) --------------------------------------------
     def rollout_source(self, asynchronous: bool) -> RolloutSource:
-        """One-step-off async (``train`` with ``async_rollout``) or single-turn; DAPO's dynamic sampling around
-        it with ``filter_groups`` (validation refuses it with async)."""
+        """One-step-off async (``train`` with ``async_rollout``), multi-turn episodes (``environment``: agent/) or
+        single-turn; DAPO's dynamic sampling around it with ``filter_groups`` (validation refuses it with async)."""
         if asynchronous:
             return AsyncRollouts(self.context)
-        source = SingleTurn(self.context)
+        source = SingleTurn(self.context) if self.c.environment is None else MultiTurn(self.context)
         return DynamicSampling(source, self.c, self.prompt_stream) if self.c.algorithm.filter_groups else source
 
     def prompt_indices(self, step: int) -> list[int]:
@@ -168,8 +169,7 @@ class PPOTrainer:
     @property
     def environment_gamma(self) -> float:
         """``environment.gamma``: the discount of a multi-turn episode's per-turn rewards into its outcome."""
-        environment = getattr(self.c, "environment", None)  # the section multi-turn configs add (CONTRACT.md)
-        return 1.0 if environment is None else float(environment.gamma)
+        return 1.0 if self.c.environment is None else self.c.environment.gamma
 
     def kl(self, logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
         """Per-token KL estimate; 0 without a reference, or before an on-policy update has given the log-probs."""

@@ -8,6 +8,13 @@ The protocol (CONTRACT: issue 27)::
         def reset(self, task: dict) -> str: ...           # the prompt record -> the first user message
         def step(self, action: str) -> tuple[str | None, float, bool]: ...  # the model's reply -> (next user
                                                           # message or None, reward, done)
+        def close(self) -> None: ...                      # optional: once the episode ended, for any reason
+        @classmethod
+        def prepare(cls, **kwargs) -> None: ...           # optional: once, before the run's first episode (start
+                                                          # a server, download a task set: not bounded by step_timeout)
+
+``step`` is called once per model turn, with the model's reply (its text, special tokens left out) when the reply
+makes no tool call: a turn's tool calls are run by the loop, which then lets the model go on.
 
 A Python environment is trusted code, as a rule reward is: it runs in this process, in a thread of its own per call
 (``call_with_timeout``). What it does wrong is an ``EnvironmentFault`` of its episode, and ``environment.on_error``
@@ -57,6 +64,15 @@ class Environments:
                 "reset(task) -> str and step(action) -> (str | None, float, bool)"
             )
         self.spec, self.kwargs, self.timeout, self.max_chars = spec, kwargs, timeout, max_chars
+        self.closes = callable(getattr(self.cls, "close", None))
+        prepare = getattr(self.cls, "prepare", None)
+        if callable(prepare):
+            try:
+                prepare(**kwargs)
+            except BaseException as err:  # noqa: BLE001 - the environment's own setup failed: the run cannot start
+                raise UserError(
+                    f"environment.name_or_path: {spec}.prepare raised {type(err).__name__}: {err}"
+                ) from None
 
     def _call(self, fn, what: str) -> Any:
         try:
@@ -87,6 +103,16 @@ class Environments:
 
         env, first = self._call(build_and_reset, "reset")
         return env, self._message(first, "reset")
+
+    def close(self, env: Any) -> str | None:
+        """``env.close()`` when the class has one; what went wrong, if anything (the episode has ended: logged only)."""
+        if not self.closes:
+            return None
+        try:
+            self._call(env.close, "close")
+        except EnvironmentFault as err:
+            return str(err)
+        return None
 
     def step(self, env: Any, action: str) -> tuple[str | None, float, bool]:
         out = self._call(lambda: env.step(action), "step")

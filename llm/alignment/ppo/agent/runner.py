@@ -88,6 +88,7 @@ class EpisodeRunner:
             t0 = time.perf_counter()
             for ep, first in zip(episodes, pool.map(self._reset, episodes)):
                 self._start(ep, first)
+            self._close_finished(pool, episodes)
             environment += time.perf_counter() - t0
             round_ = 0
             while live := [ep for ep in episodes if not ep.finished]:
@@ -98,10 +99,19 @@ class EpisodeRunner:
                 answers = list(pool.map(lambda pair: self._answer(*pair), answering))
                 for (ep, _), answer in zip(answering, answers):
                     self._apply(ep, answer)
+                self._close_finished(pool, episodes)
                 generation, environment = generation + t1 - t0, environment + time.perf_counter() - t1
                 round_ += 1
         self._check_error_fraction(episodes)
         return Rollout(episodes, generation, environment)
+
+    def _close_finished(self, pool: ThreadPoolExecutor, episodes: list[Episode]) -> None:
+        """``close()`` the environments of the episodes that ended (concurrently); a failure is logged."""
+        ending = [ep for ep in episodes if ep.finished and ep.env is not None]
+        for ep, problem in zip(ending, pool.map(lambda ep: self.envs.close(ep.env), ending)):
+            ep.env = None
+            if problem is not None:
+                logger.warning("environment %s: episode %d: %s", self.e.name_or_path, ep.index, problem)
 
     def _reset(self, ep: Episode) -> list[dict[str, Any]] | EnvironmentFault:
         """In a pool thread: the episode's environment and first conversation, or the environment's fault."""
