@@ -118,3 +118,8 @@ def connect(port: int) -> str:
 def pid() -> int:
     """The process id that runs the tool."""
     return os.getpid()
+
+
+def always_one(prompt, response, reference):
+    """A rule reward that pays 1 whatever the answer."""
+    return 1.0

@@ -287,3 +287,26 @@ def test_sandboxed_tools_run_in_a_limited_child_process(tok, caplog):
     assert results[2]["error"] and "connected" not in results[2]["text"]  # no network in the child
     assert results[3]["error"] and results[3]["text"] == "Error: spin timed out (no answer within 2 s)"
     assert "environment.sandbox: tool workers run with" in caplog.text
+
+
+def test_engine_log_probs_follow_the_tokens(tok):
+    """rollout_log_probs / rollout_is_cap: the engine's log-probs of the model's tokens, 0.0 at the appended ones,
+    cut with the turn."""
+    import torch
+
+    class WithLogProbs(ScriptedPolicy):
+        def generate(self, prompt_ids, **settings):
+            assert settings["with_log_probs"]
+            rows = super().generate(prompt_ids, **settings)
+            table = torch.tensor([[-(j + 1) / 10 for j in range(8)] for _ in rows])  # -0.1, -0.2, ... per position
+            return rows, table
+
+    config = EnvironmentConfig(name_or_path="tests.agent_envs:Echo", max_episode_tokens=512)
+    runner = EpisodeRunner(config, tok, max_response_length=64)
+    policy = WithLogProbs(tok, [["a"], ["b c"]])
+    (ep,) = runner.run(policy, tasks(tok, "q1"), 1, dict(SAMPLING), with_log_probs=True).episodes
+    first, second = ids(tok, "a") + [tok.eos_token_id], ids(tok, "b c") + [tok.eos_token_id]
+    between = len(ep.response_ids) - len(first) - len(second)
+    expected = [-(j + 1) / 10 for j in range(len(first))] + [0.0] * between
+    expected += [-(j + 1) / 10 for j in range(len(second))]
+    assert ep.logprobs == pytest.approx(expected) and len(ep.logprobs) == len(ep.response_ids)

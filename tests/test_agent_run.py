@@ -1,6 +1,7 @@
 """A tiny GRPO run with a scripted environment, end to end through the config: two steps train, and the ids the
 actor's update trains on are exactly the ids its generation returned plus the rendered environment messages."""
 
+import dataclasses
 import os
 
 import pytest
@@ -71,3 +72,43 @@ def test_grpo_with_an_environment_trains_on_the_sampled_ids(tmp_path):
         assert m["episode/cut_max_turns"] == 0 and m["time/rollout_generation"] > 0
     roles_ = [t["role"] for t in row["episode"]["turns"]]
     assert roles_ == ["user", "assistant", "user", "assistant", "user"] and row["episode"]["turns"][1]["reward"] == 0.1
+
+
+def test_on_error_zero_and_drop_in_the_batch(tmp_path):
+    """Prompts "bad" (its environment raises at step 1) and "good", two episodes each, GRPO. zero: all four stay,
+    the bad ones with turn rewards and score 0 (the rule reward would pay the digits they wrote); drop: the bad
+    prompt's whole group leaves before scoring."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"src": "bad", "tgt": "1"}\n{"src": "good", "tgt": "2"}\n')
+    path = ppo_config_file(
+        tmp_path,
+        TINY,
+        "grpo",
+        {
+            "actor_rollout": {"max_response_length": 4, "num_samples_per_step": 2, "ppo_mini_batch_size": 4},
+            "algorithm": {"adv_estimator": "grpo"},
+            "reward": {"rule": "tests.agent_envs:always_one"},
+            "data": {"rollout_batch_size": 2, "use_chat_template": None, "shuffle": False},
+            "environment": {
+                "name_or_path": "tests.agent_envs:Faulty",
+                "kwargs": {"fault": "raises"},
+                "max_error_fraction": 0.5,
+            },
+        },
+    )
+    c = parse_ppo_config([path, "--data.train_dataset_path", str(data)])
+    with placed_roles(c) as roles:
+        trainer = build_ppo(c, load_prompts(c), roles)
+        eos = trainer.tokenizer.eos_token_id
+        trainer.generator.generate = lambda prompt_ids, **s: [[5, eos] for _ in prompt_ids]
+        zero = trainer.source.collect(0)
+        drop_config = dataclasses.replace(c, environment=dataclasses.replace(c.environment, on_error="drop"))
+        drop = MultiTurn(dataclasses.replace(trainer.context, config=drop_config)).collect(0)
+    s = zero.scored
+    assert [e["errors"] != [] for e in s.samples.episodes] == [True, True, False, False]
+    assert s.raw_scores.tolist() == [1.0, 1.0, 1.0, 1.0] and s.scores.tolist() == [0.0, 0.0, 1.0, 1.0]
+    assert s.samples.turn_rewards[:2] == [[0.0], [0.0]] and s.samples.turn_rewards[2][0] == 0.1
+    assert zero.metrics["episode/env_errors"] == 2.0 and zero.metrics["episode/dropped"] == 0.0
+    d = drop.scored
+    assert len(d.samples) == 2 and all(e["errors"] == [] for e in d.samples.episodes)
+    assert drop.metrics["episode/dropped"] == 2.0
