@@ -291,7 +291,7 @@ def test_qwen_vocabulary_with_qwen25_template(qwen_dir):  # noqa: F811
     tok.chat_template = template("qwen2_5")
     chat = ChatFormat(tok, [SCHEMA])
     assert chat.format == "hermes" and chat.renders_tools and chat.tool_role
-    got = chat.message_ids(chat.tool_messages([ToolResult("get_weather", "Sunny, 21°C")]), TWO_CALLS[:1])
+    got = chat.message_ids(chat.tool_messages([ToolResult("get_weather", "Sunny, 21°C")]), "get_weather")
     expected = "\n<|im_start|>user\n<tool_response>\nSunny, 21°C\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     assert got == tok(expected, add_special_tokens=False)["input_ids"]
     assert got[1] == 151644  # <|im_start|>, one token

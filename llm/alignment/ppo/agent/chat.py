@@ -70,9 +70,13 @@ def call_message(calls: list[ToolCall]) -> dict[str, Any]:
     }
 
 
+class TemplateFailure(UserError):
+    """The chat template raised on a conversation an episode needs."""
+
+
 class ChatFormat:
     """The actor tokenizer's chat template for episodes with ``schemas`` (the tools' JSON schemas, maybe none) and
-    the configured ``tool_call_format``. ``prompt_ids(messages)``: the first prompt; ``message_ids(new, calls)``:
+    the configured ``tool_call_format``. ``prompt_ids(messages)``: the first prompt; ``message_ids(new, tool)``:
     the tokens after a model turn; ``parse(text)``: the tool calls of a reply."""
 
     def __init__(self, tokenizer, schemas: list[dict[str, Any]], tool_call_format: str = AUTO_FORMAT) -> None:
@@ -90,17 +94,21 @@ class ChatFormat:
         self.system_tools = hermes_tools_text(schemas) if schemas and not self.renders_tools else None
         self.format = self._choose_format(tool_call_format) if schemas else None
         self.parse_fn = TOOL_CALL_FORMATS[self.format] if self.format else None
-        self._prefixes: dict[tuple[str, ...], tuple[list[int], int]] = {}
-        self.message_ids([{"role": "user", "content": "probe"}], [])  # the template's two properties, checked now
+        self._prefixes: dict[str | None, tuple[list[int], int]] = {}
+        self.message_ids([{"role": "user", "content": "probe"}])  # the template's two properties, checked now
         if schemas:
-            self.message_ids(self.tool_messages([ToolResult(_PROBE.name, _PROBE_RESULT)]), [_PROBE])
+            self.message_ids(self.tool_messages([ToolResult(_PROBE.name, _PROBE_RESULT)]), _PROBE.name)
 
     # --- rendering --------------------------------------------------------------------------------------
     def render(self, messages: list[dict[str, Any]], generation_prompt: bool, tools: list | None = None) -> str:
         tools = tools if tools is not None else (self.schemas if self.renders_tools else None)
-        return self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=generation_prompt, tokenize=False
-        )
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools or None, add_generation_prompt=generation_prompt, tokenize=False
+            )
+        except Exception as err:  # noqa: BLE001 - the template's own error (jinja), said with the roles it met
+            roles = ", ".join(m["role"] for m in messages)
+            raise TemplateFailure(f"the chat template of {self.where} cannot render [{roles}]: {err}") from None
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -117,12 +125,14 @@ class ChatFormat:
     def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         return self.encode(self.render(self.prompt_messages(messages), True))
 
-    def message_ids(self, new: list[dict[str, Any]], calls: list[ToolCall]) -> list[int]:
+    def message_ids(self, new: list[dict[str, Any]], tool: str | None = None) -> list[int]:
         """The tokens after a model turn's EOS: the template's glue, ``new`` messages, the next generation prompt.
-        ``calls``: the turn's tool calls (some templates write a tool result's header from its call)."""
-        assistant = {**call_message(calls), "content": "x"} if calls else {"role": "assistant", "content": "x"}
-        stand_in = [{"role": "user", "content": "x"}, assistant]
-        key = tuple(c.name for c in calls)
+        ``tool``: the tool the turn called, for tool results (the stand-in turn calls it, without arguments: some
+        templates write a result's header from its call; one call, as some templates allow no more)."""
+        stand_in = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "x"}]
+        if tool is not None:
+            stand_in[1] = {**call_message([ToolCall(tool, {})]), "content": "x"}
+        key = tool
         if key not in self._prefixes:
             ids = self.encode(self.render(stand_in, False))
             ends = [i for i, t in enumerate(ids) if t == self.tokenizer.eos_token_id]

@@ -39,11 +39,11 @@ MAX_THREADS = 64  # environment / tool steps of one round at once
 
 @dataclass
 class Answer:
-    """What an episode's reply led to: new messages to append (``messages``, after the turn's tool ``calls``), or the
-    end (``cut``, None: done), or an environment fault (``fault``)."""
+    """What an episode's reply led to: new messages to append (``messages``; tool results after a call of ``tool``),
+    or the end (``cut``, None: done), or an environment fault (``fault``)."""
 
     messages: list[dict[str, Any]] | None = None
-    calls: list | None = None
+    tool: str | None = None  # the tool the turn called (tool results follow)
     cut: str | None = None
     fault: str | None = None
 
@@ -181,7 +181,7 @@ class EpisodeRunner:
                 ep.tool_calls += len(results)
                 ep.tool_errors += sum(r.error for r in results)
                 turn["tool_results"] = [{"name": r.name, "text": r.text, "error": r.error} for r in results]
-                return Answer(self.chat.tool_messages(results), parsed.calls)
+                return Answer(self.chat.tool_messages(results), results[0].name or "tool")
             if self.envs is None:
                 return Answer()  # tools only: an answer without a call ends the episode
             message, reward, done = self.envs.step(ep.env, turn["text"])
@@ -193,7 +193,7 @@ class EpisodeRunner:
                 return Answer()
             if ep.model_turns >= self.e.max_turns:
                 return Answer(cut="max_turns")
-            return Answer([{"role": "user", "content": message}], [])
+            return Answer([{"role": "user", "content": message}])
         except EnvironmentFault as err:
             return Answer(fault=str(err))
         finally:
@@ -205,7 +205,7 @@ class EpisodeRunner:
         elif answer.messages is None:
             ep.end(answer.cut)
         else:
-            ids = self.chat.message_ids(answer.messages, answer.calls or [])
+            ids = self.chat.message_ids(answer.messages, answer.tool)
             if len(ids) >= self.e.max_episode_tokens - ep.length:  # no room left for a model token after them
                 ep.end("max_episode_tokens")
             else:
