@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llm.alignment.ppo import generation, loop
+from llm.alignment.ppo import generation
+from llm.alignment.ppo import trainer as trainer_module
 from llm.alignment.ppo.async_rollout import AsyncRollouts
 from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
 from llm.alignment.ppo.roles import PolicyModel
@@ -57,8 +58,8 @@ class Recording(AsyncRollouts):
 
     last = None
 
-    def __init__(self, trainer):
-        super().__init__(trainer)
+    def __init__(self, context):
+        super().__init__(context)
         Recording.last = self
 
 
@@ -66,7 +67,7 @@ def test_staleness_1_trains_on_the_previous_policys_samples(tmp_path, monkeypatc
     """Step n+1 (1-indexed) trains on samples the copy generated with the weights before update n: the responses
     are what those weights sample with that step's seed, the old log-probs are those weights' (not the updated
     actor's), and the logged staleness is 1 from step 2 on."""
-    monkeypatch.setattr(loop, "AsyncRollouts", Recording)
+    monkeypatch.setattr(trainer_module, "AsyncRollouts", Recording)
     c = parse_ppo_config([config(tmp_path, training=STEPS3, actor_rollout=S1)])
     seen = []  # per step: actor weights before its update, the samples, the old log-probs
     with placed_roles(c) as roles:
@@ -84,7 +85,7 @@ def test_staleness_1_trains_on_the_previous_policys_samples(tmp_path, monkeypatc
         assert all(h["timing/rollout_s"] > 0 and h["timing/wait_s"] >= 0 for h in log)
         # the copy's version counter: the weights after 0, 0, 1 updates generated steps 1, 2, 3
         assert Recording.last.taken == [(0, 0), (1, 0), (2, 1)]
-        assert trainer.rollout_copy is None and trainer.async_rollouts is None  # given back
+        assert trainer.rollout_copy is None and type(trainer.source).__name__ == "SingleTurn"  # given back
         a = c.actor_rollout
         model = copy.deepcopy(trainer.actor.model)
         policy = PolicyModel(model, trainer.tokenizer, a.temperature, c.micro("actor_rollout"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from llm.settings.environment import EnvironmentConfig
 from llm.settings.registry import ADV_ESTIMATORS
 from llm.settings.shared import LoraFields, OptimizerFields, reward_token_pair, with_default
 from llm.utils.errors import UserError
@@ -189,7 +190,8 @@ class ActorRolloutSection(TrainedSection):
     )
     vllm_max_model_len: int | None = _f(
         None,
-        "vllm: the longest prompt + response the engine holds; null: max_prompt_length + max_response_length",
+        "vllm: the longest prompt + response the engine holds; null: max_prompt_length + max_response_length "
+        "(environment.max_episode_tokens with an environment)",
         low=1,
     )
     vllm_sleep: bool = _f(
@@ -409,6 +411,8 @@ SECTIONS: dict[str, type] = {
     "data": DataSection,
     "resource_pool": ResourcePool,
 }
+# sections that are None unless the file or the command line gives them
+OPTIONAL_SECTIONS: dict[str, type] = {"environment": EnvironmentConfig}
 
 
 @dataclass
@@ -421,6 +425,7 @@ class PPOConfig:
     algorithm: AlgorithmSection
     data: DataSection
     resource_pool: ResourcePool
+    environment: EnvironmentConfig | None = None  # multi-turn episodes (llm.settings.environment); None: single-turn
     source: str = ""  # the config file, for messages
     notes: list[str] = field(default_factory=list)  # lines for the log: what a MindSpeed name became, ...
 

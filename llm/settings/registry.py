@@ -1,5 +1,5 @@
 """Registries of the variants a config chooses by name: advantage estimators, KL estimators and controllers,
-reward types, PRM score aggregations, DPO losses.
+reward types, PRM score aggregations, DPO losses, tool-call formats.
 
 A registry is declared here, on the schema's side, and filled by the module that implements its variants
 (``provider``), which adds each one on import (``llm.alignment.ppo.algorithm`` adds ``gae``, ``grpo``, ...).
@@ -107,6 +107,9 @@ PRM_AGGREGATIONS = Registry("reward.prm_aggregation", PPO_REWARDS)  # name -> f(
 POLICY_LOSSES = Registry("actor_rollout.policy_loss", "llm.alignment.ppo.objectives")  # name -> PolicyObjective
 LOSS_AGG_MODES = Registry("actor_rollout.loss_agg_mode", "llm.alignment.ppo.objectives")  # name -> aggregation
 DPO_LOSSES = Registry("loss_type", "llm.alignment.dpo.loss")  # name -> LossSpec
+TOOL_CALL_FORMATS = Registry(
+    "environment.tool_call_format", "llm.alignment.ppo.agent.parsers"
+)  # name -> ToolCallFormat
 
 # algorithm.kl_penalty also takes "full": the exact KL over the vocabulary (not a per-token estimator)
 EXACT_KL = "full"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
 
@@ -95,6 +95,7 @@ class PromptRecord:
     reference: str | None
     source: str
     index: int
+    fields: dict = field(default_factory=dict)  # the record as read (after map_keys): an environment's task
 
 
 @dataclass
