@@ -197,3 +197,33 @@ def test_ppo_final_model_is_renamed_in_and_saved_again_when_cut(tmp_path, monkey
     os.remove(out / FINAL_MARKER)  # as if the save had died between writing the files and the marker
     ppo_main([cfg, "--training.resume_from_checkpoint", "auto"])
     assert final_model_complete(str(out), 2)  # the marker is back: the resumed run saved the final model again
+
+
+def test_a_roles_disk_full_reaches_the_drivers_save_as_one_message(tmp_path):
+    """A PPO role on Ray turns the writer's error into DiskFull (a UserError, which Ray's wait re-raises as itself:
+    ray_roles.wait); the driver's save then removes checkpoint-6.partial and names the last complete checkpoint."""
+    from safetensors import SafetensorError
+
+    from llm.utils.checkpoints import begin_checkpoint, finish_checkpoint
+    from llm.utils.disk_full import disk_full_as_error, saving
+    from llm.utils.errors import DiskFull, UserError
+
+    out = tmp_path / "out"
+    partial = begin_checkpoint(str(out / "checkpoint-4"), is_main=True)
+    (out / "checkpoint-4.partial" / "state.json").write_text("{}")
+    finish_checkpoint(partial, str(out / "checkpoint-4"), 4)
+    role = disk_full_as_error(str(out / "checkpoint-6.partial" / "actor"))
+    with pytest.raises(DiskFull, match="no space left on device writing .*actor"), role:
+        raise SafetensorError(SAFETENSORS_FULL)
+    save = saving(str(out), str(out / "checkpoint-6.partial"), "checkpoint-6", field="training.output_dir")
+    with pytest.raises(UserError) as info, save:
+        begin_checkpoint(str(out / "checkpoint-6"), is_main=True)
+        (out / "checkpoint-6.partial" / "half").write_bytes(b"x" * 2048)
+        raise DiskFull("no space left on device writing the actor")  # as ray_roles.wait re-raises it
+    message = str(info.value)
+    assert message.startswith(f"no space left on device saving checkpoint-6 in training.output_dir {out} (it had ")
+    assert "written 2.0 KiB; a complete checkpoint of this run takes 2 bytes;" in message
+    assert f"the last complete checkpoint is {out / 'checkpoint-4'}: with the space freed training." in message
+    assert sorted(os.listdir(out)) == ["checkpoint-4"]
+    with pytest.raises(ValueError, match="not a full disk"), saving(str(out), str(out / "x.partial"), "checkpoint-8"):
+        raise ValueError("not a full disk")  # anything else passes unchanged
