@@ -1,14 +1,15 @@
 """A full disk during a save: one message, the unfinished save removed, nothing complete lost.
 
 Every save is written aside (``checkpoint-N.partial``, ``output_dir/final.partial``: ``llm.utils.checkpoints``)
-and renamed into place only when complete, so a save that runs out of space leaves every complete checkpoint
-and the previous final model whole. ``saving(...)`` wraps a save: a full disk (ENOSPC, or EDQUOT: a quota),
-whether raised as an ``OSError``, as safetensors' ``SafetensorError`` ("... No space left on device (os
-error 28)"), as torch.distributed.checkpoint's ``CheckpointException`` (the sharded state), or as torch's writer's RuntimeError on a filesystem left with under 1 MiB free (its message
-does not say why), removes what the save had written (giving that space back) and becomes one ``UserError`` (exit 2)
-naming the directory, what the save needs where that is known, what is free, and the last complete checkpoint
-to resume from. ``disk_full_as_error`` is for the processes that write parts of a save without knowing the
-run (PPO's roles on Ray): it turns the error into a ``DiskFull``, which crosses to the driver as itself.
+and renamed into place only when complete, so a save that runs out of space leaves every complete checkpoint and
+the previous final model whole. ``saving(...)`` wraps a save: a full disk (ENOSPC, or EDQUOT: a quota), whether
+raised as an ``OSError``, as safetensors' ``SafetensorError`` ("... No space left on device (os error 28)"), as
+torch.distributed.checkpoint's ``CheckpointException`` (the sharded state), or as torch's writer's RuntimeError
+on a filesystem left with under 1 MiB free (its message does not say why), removes what the save had written
+(giving that space back) and becomes one ``UserError`` (exit 2) naming the directory, what the save needs where
+that is known, what is free, and the last complete checkpoint to resume from. ``disk_full_as_error`` is for the
+processes that write parts of a save without knowing the run (PPO's roles on Ray): it turns the error into a
+``DiskFull``, which crosses to the driver as itself.
 """
 
 from __future__ import annotations

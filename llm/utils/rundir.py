@@ -18,19 +18,19 @@ and it does not hold another run's results unless the user said so.
   by then: ``TrainingArguments`` creates it). PPO on Ray: the driver, the process running ``run_ppo.py``.
 
 A non-empty ``output_dir``: first, a file no run of this project wrote (a user's config.json, tokenizer,
-weights, notes: ``files_of_another_origin``) stops every run (evaluation-only too), whatever its options:
-a run would replace files of the names it writes. What runs wrote is listed in ``output_dir/run_files.json``
+weights, notes: ``files_of_another_origin``) stops every run (evaluation-only too), whatever its options: a run
+would replace files of the names it writes. What runs wrote is listed in ``output_dir/run_files.json``
 (``llm.utils.run_files``). Besides what it lists, a run's own are: ``checkpoint-N`` and saves in progress
 (``checkpoint-N.partial``, ``final.partial``), the lock, a subdirectory that is itself a run directory
-(``run_pipeline.py``'s stages) and, in a run directory, the result files of ``RESULT_FILES``. A run
-directory of a version before ``run_files.json`` is known by a checkpoint's ``checkpoint.json`` or by its
+(``run_pipeline.py``'s stages) and, in a run directory, the result files of ``RESULT_FILES``. A run directory of
+a version before ``run_files.json`` is known by a checkpoint's ``checkpoint.json`` or by its
 ``final_model.json`` (which lists the final model's files). Then a directory holding a run's results
 (``checkpoint-*``, a model, the trainer state; ``RUN_ARTEFACTS``) is refused for a training run unless
-``resume_from_checkpoint`` continues that run or ``overwrite_output_dir: true`` says to start a new one there. ``overwrite_output_dir`` deletes
-nothing: files the new run writes replace the old ones of the same name, and old ``checkpoint-*``
-directories stay (the log names them). Telling "this run's own checkpoints" from "another run's" is
-the job of the checkpoint markers (``llm.settings.fingerprint``): ``resume_from_checkpoint: auto`` is to
-pick only checkpoints of this run; ``foreign_artefacts`` is the hook for that rule here.
+``resume_from_checkpoint`` continues that run or ``overwrite_output_dir: true`` says to start a new one there.
+``overwrite_output_dir`` deletes nothing: files the new run writes replace the old ones of the same name, and
+old ``checkpoint-*`` directories stay (the log names them). Telling "this run's own checkpoints" from "another
+run's" is the job of the checkpoint markers (``llm.settings.fingerprint``): ``resume_from_checkpoint: auto`` is
+to pick only checkpoints of this run; ``foreign_artefacts`` is the hook for that rule here.
 """
 
 from __future__ import annotations
