@@ -10,7 +10,8 @@ from llm.data.prepare import overlong_results
 from llm.settings.fingerprint import training_fingerprint
 from llm.settings.flat import DataArgument, TrainingArguments
 from llm.utils import preemption
-from llm.utils.checkpoints import begin_final, final_model_complete, finish_final, latest_checkpoint
+from llm.utils.checkpoints import FINAL_STAGING, begin_final, final_model_complete, finish_final, latest_checkpoint
+from llm.utils.disk_full import saving
 from llm.utils.distributed import barrier
 from llm.utils.rundir import run_guard
 
@@ -70,16 +71,18 @@ def save_final_model(trainer, out: str) -> None:
     """The model, tokenizer and trainer state into ``out``, never written in place: every rank saves into
     ``out/final.partial``, then the main process moves the files in and writes ``final_model.json`` last
     (``llm.utils.checkpoints.begin_final``). A save stopped half-way leaves the previous files whole, and a
-    resumed run that finds no complete final model saves it again."""
+    resumed run that finds no complete final model saves it again; a full disk removes the staging directory and
+    is one message (``llm.utils.disk_full``)."""
     main = trainer.is_world_process_zero()
-    staging = begin_final(out, main)
-    barrier()
-    trainer.save_model(staging)
-    if main:
-        trainer.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
-    barrier()
-    if main:
-        finish_final(out, trainer.state.global_step)
+    with saving(out, os.path.join(out, FINAL_STAGING), "the final model", main):  # a full disk: one message
+        staging = begin_final(out, main)
+        barrier()
+        trainer.save_model(staging)
+        if main:
+            trainer.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
+        barrier()
+        if main:
+            finish_final(out, trainer.state.global_step)
 
 
 def write_json(path: str, data: dict) -> None:

@@ -181,17 +181,39 @@ def _source_record(gguf_path: str) -> dict:
     return {"format": FORMAT, "source": os.path.basename(gguf_path), "sha256": _digest(gguf_path)}
 
 
-def is_converted(out_dir: str, gguf_path: str) -> bool:
-    """Whether ``out_dir`` is a finished conversion of ``gguf_path`` (its marker names the same file)."""
-    marker = os.path.join(out_dir, MARKER)
-    if not os.path.isfile(marker):
-        return False
+def _marker(out_dir: str) -> dict | None:
     try:
-        with open(marker, encoding="utf-8") as f:
+        with open(os.path.join(out_dir, MARKER), encoding="utf-8") as f:
             recorded = json.load(f)
     except (OSError, ValueError):
-        return False
-    return recorded == _source_record(gguf_path)
+        return None
+    return recorded if isinstance(recorded, dict) else None
+
+
+def is_converted(out_dir: str, gguf_path: str) -> bool:
+    """Whether ``out_dir`` is a finished conversion of ``gguf_path`` (its marker names the same file)."""
+    recorded = _marker(out_dir)
+    source = _source_record(gguf_path) if recorded is not None else None
+    return recorded is not None and {k: recorded.get(k) for k in source} == source
+
+
+def check_replaceable(out_dir: str) -> None:
+    """A conversion replaces ``out_dir`` as a whole: it must be new, empty, or an earlier conversion holding
+    only the files that conversion wrote (its marker lists them); else a ``UserError`` naming the rest."""
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"--output {out_dir} is a file, not a directory: remove it or choose another --output")
+    names = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
+    recorded = _marker(out_dir)
+    if recorded is not None:  # an earlier conversion; one written before its marker listed its files: all of it
+        names -= set(recorded.get("files") or names) | {MARKER}
+    if names:
+        found = sorted(names)
+        listed = ", ".join(found[:8]) + (f", ... ({len(found)} in all)" if len(found) > 8 else "")
+        raise UserError(
+            f"--output {out_dir} holds files that no GGUF conversion wrote ({listed}); the conversion replaces the "
+            f"whole directory. Choose an empty or new directory, or a subdirectory such as "
+            f"{os.path.join(out_dir, 'model')}"
+        )
 
 
 def convert(gguf_path: str, out_dir: str, *, force: bool = False) -> str:
@@ -205,6 +227,7 @@ def convert(gguf_path: str, out_dir: str, *, force: bool = False) -> str:
     if not force and is_converted(out_dir, gguf_path):
         logger.info("%s already holds %s: nothing to convert", out_dir, os.path.basename(gguf_path))
         return out_dir
+    check_replaceable(out_dir)
     start = time.perf_counter()
     partial = out_dir.rstrip("/") + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
@@ -214,7 +237,7 @@ def convert(gguf_path: str, out_dir: str, *, force: bool = False) -> str:
     model.save_pretrained(partial, safe_serialization=True)
     tokenizer.save_pretrained(partial)
     with open(os.path.join(partial, MARKER), "w", encoding="utf-8") as f:
-        json.dump(_source_record(gguf_path), f)
+        json.dump({**_source_record(gguf_path), "files": sorted(os.listdir(partial))}, f)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(partial, out_dir)
     params = sum(p.numel() for p in model.parameters())

@@ -391,26 +391,29 @@ class PPOTrainer:
         safetensors), and ``trainer_state.json``. Written into ``checkpoint-N.partial`` (roles in other
         processes write their own parts there: a shared filesystem), then the ``checkpoint.json`` marker, then
         renamed into place (``llm.utils.checkpoints``): a cut save leaves no ``checkpoint-N``."""
-        from llm.utils.checkpoints import begin_checkpoint, finish_checkpoint, save_tree
+        from llm.utils.checkpoints import begin_checkpoint, finish_checkpoint, partial_dir, save_tree
+        from llm.utils.disk_full import saving
 
-        final = os.path.join(self.c.training.output_dir, f"checkpoint-{self.step}")
-        partial = begin_checkpoint(final, is_main=True)
-        self._save_models(partial, with_optimizer=True)
-        missing = [part for part in self._checkpoint_parts() if not os.path.isdir(os.path.join(partial, part))]
-        if missing:
-            raise UserError(
-                f"{partial}: the save of {', '.join(missing)} wrote nothing there (with Ray every role's process must "
-                "see output_dir: a shared filesystem); the checkpoint is left incomplete"
-            )
-        state = {
-            "step": self.step,
-            "kl_coef": self.kl_ctl.value,
-            "moments": (self.moments.mean, self.moments.var, self.moments.count),
-            "log_history": self.log_history,
-            "dapo": self.prompt_stream.state(),
-        }
-        save_tree(partial, "trainer_state", state)
-        finish_checkpoint(partial, final, self.step, self.run_fingerprint)
+        out = self.c.training.output_dir
+        final = os.path.join(out, f"checkpoint-{self.step}")
+        with saving(out, partial_dir(final), os.path.basename(final), field="training.output_dir"):  # a full disk
+            partial = begin_checkpoint(final, is_main=True)
+            self._save_models(partial, with_optimizer=True)
+            missing = [part for part in self._checkpoint_parts() if not os.path.isdir(os.path.join(partial, part))]
+            if missing:
+                raise UserError(
+                    f"{partial}: the save of {', '.join(missing)} wrote nothing there (with Ray every role's process "
+                    "must see output_dir: a shared filesystem); the checkpoint is left incomplete"
+                )
+            state = {
+                "step": self.step,
+                "kl_coef": self.kl_ctl.value,
+                "moments": (self.moments.mean, self.moments.var, self.moments.count),
+                "log_history": self.log_history,
+                "dapo": self.prompt_stream.state(),
+            }
+            save_tree(partial, "trainer_state", state)
+            finish_checkpoint(partial, final, self.step, self.run_fingerprint)
         self.last_checkpoint = final
         self._prune()
         return final
@@ -441,13 +444,16 @@ class PPOTrainer:
 
     def save_final(self) -> None:
         """Into output_dir/final.partial, then renamed in (``begin_final``): never a half-written final model."""
-        from llm.utils.checkpoints import begin_final, finish_final
+        from llm.utils.checkpoints import FINAL_STAGING, begin_final, finish_final
+        from llm.utils.disk_full import saving
 
-        staging = begin_final(self.c.training.output_dir, is_main=True)
-        self._save_models(staging, with_optimizer=False)
-        with open(os.path.join(staging, "log_history.json"), "w", encoding="utf-8") as f:
-            json.dump(self.log_history, f, indent=1)
-        finish_final(self.c.training.output_dir, self.step)
+        out = self.c.training.output_dir
+        with saving(out, os.path.join(out, FINAL_STAGING), "the final model", field="training.output_dir"):
+            staging = begin_final(out, is_main=True)
+            self._save_models(staging, with_optimizer=False)
+            with open(os.path.join(staging, "log_history.json"), "w", encoding="utf-8") as f:
+                json.dump(self.log_history, f, indent=1)
+            finish_final(out, self.step)
 
     @property
     def finished(self) -> bool:
