@@ -48,6 +48,7 @@ from llm.alignment.ppo.interfaces import (
 from llm.alignment.ppo.loop import train_loop
 from llm.alignment.ppo.prompts import Prompt, make_samples
 from llm.alignment.ppo.samples_log import SAMPLES_FILE, append_samples, sample_rows, samples_markdown
+from llm.settings.fingerprint import Fingerprint, run_fingerprint
 from llm.settings.ppo import PPOConfig
 from llm.utils.errors import UserError
 
@@ -69,8 +70,10 @@ class PPOTrainer:
         ref: Policy | None = None,
         critic: Critic | None = None,
         rollout_copy: Policy | None = None,
+        fingerprint: Fingerprint | None = None,
     ) -> None:
         self.c, self.prompts, self.tokenizer = config, prompts, tokenizer
+        self._run_fingerprint = fingerprint  # the build's (PPOContext); None: the config's, as written, when asked
         self.actor, self.ref, self.critic, self.reward = actor, ref, critic, reward
         self.rollout_copy = rollout_copy
         self.ref_head_given = False  # the actor holds the reference's LM head (kl_penalty "full")
@@ -386,11 +389,10 @@ class PPOTrainer:
         return final
 
     @property
-    def run_fingerprint(self):
-        """``llm.settings.fingerprint.run_fingerprint`` of this run's config (computed once)."""
-        if getattr(self, "_run_fingerprint", None) is None:
-            from llm.settings.fingerprint import run_fingerprint
-
+    def run_fingerprint(self) -> Fingerprint:
+        """The run's fingerprint, as given (``PPOContext.fingerprint``); a trainer given none: the config's as
+        written, computed once."""
+        if self._run_fingerprint is None:
             self._run_fingerprint = run_fingerprint(self.c)
         return self._run_fingerprint
 
