@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llm.alignment.ppo.agent.source import MultiTurn
-from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
+from llm.alignment.ppo.build import PPOContext, build_ppo, load_prompts, placed_roles
 from llm.alignment.ppo.samples_log import sample_rows
 from llm.settings.load import parse_ppo_config
 from tests.helpers import ROOT, ppo_config_file
@@ -31,8 +31,9 @@ def test_grpo_with_an_environment_trains_on_the_sampled_ids(tmp_path):
         },
     )
     c = parse_ppo_config([path])
-    with placed_roles(c) as roles:
-        trainer = build_ppo(c, load_prompts(c), roles)
+    run = PPOContext.load(c)
+    with placed_roles(c, run) as roles:
+        trainer = build_ppo(c, load_prompts(c, run), roles, run)
         assert isinstance(trainer.source, MultiTurn)
         tok, eos = trainer.tokenizer, trainer.tokenizer.eos_token_id
         real_generate, real_update = trainer.generator.generate, trainer.actor.update
@@ -97,8 +98,9 @@ def test_on_error_zero_and_drop_in_the_batch(tmp_path):
         },
     )
     c = parse_ppo_config([path, "--data.train_dataset_path", str(data)])
-    with placed_roles(c) as roles:
-        trainer = build_ppo(c, load_prompts(c), roles)
+    run = PPOContext.load(c)
+    with placed_roles(c, run) as roles:
+        trainer = build_ppo(c, load_prompts(c, run), roles, run)
         eos = trainer.tokenizer.eos_token_id
         trainer.generator.generate = lambda prompt_ids, **s: [[5, eos] for _ in prompt_ids]
         zero = trainer.source.collect(0)

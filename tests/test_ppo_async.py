@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from llm.alignment.ppo import generation
 from llm.alignment.ppo import trainer as trainer_module
 from llm.alignment.ppo.async_rollout import AsyncRollouts
-from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
+from llm.alignment.ppo.build import PPOContext, build_ppo, load_prompts, placed_roles
 from llm.alignment.ppo.roles import PolicyModel
 from llm.run_ppo import main
 from llm.settings.load import parse_ppo_config
@@ -70,8 +70,9 @@ def test_staleness_1_trains_on_the_previous_policys_samples(tmp_path, monkeypatc
     monkeypatch.setattr(trainer_module, "AsyncRollouts", Recording)
     c = parse_ppo_config([config(tmp_path, training=STEPS3, actor_rollout=S1)])
     seen = []  # per step: actor weights before its update, the samples, the old log-probs
-    with placed_roles(c) as roles:
-        trainer = build_ppo(c, load_prompts(c), roles)
+    run = PPOContext.load(c)
+    with placed_roles(c, run) as roles:
+        trainer = build_ppo(c, load_prompts(c, run), roles, run)
         update_actor = trainer.update_actor
 
         def recorded(exp):

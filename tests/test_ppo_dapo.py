@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
+from llm.alignment.ppo.build import PPOContext, build_ppo, load_prompts, placed_roles
 from llm.alignment.ppo.dapo import DAPO, informative_groups, overlong_punishment, select_scored
 from llm.alignment.ppo.interfaces import Samples, Scored
 from llm.alignment.ppo.prompts import prompt_stream
@@ -199,8 +199,9 @@ def test_no_group_left_skips_the_update(tmp_path, caplog):
     c = parse_ppo_config(
         [dapo_config(tmp_path, reward={"rule": "tests.test_ppo_dapo:constant"}, algorithm={"max_num_gen_batches": 2})]
     )
-    with placed_roles(c) as roles:
-        trainer = build_ppo(c, load_prompts(c), roles)
+    run = PPOContext.load(c)
+    with placed_roles(c, run) as roles:
+        trainer = build_ppo(c, load_prompts(c, run), roles, run)
         before = {k: v.clone() for k, v in trainer.actor.model.state_dict().items()}
         with caplog.at_level(logging.WARNING):
             metrics = trainer.train_step()

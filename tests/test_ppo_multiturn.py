@@ -21,7 +21,7 @@ from llm.alignment.ppo.algorithm import (
     last_tokens,
     token_rewards,
 )
-from llm.alignment.ppo.build import Place, build_actor, build_critic, build_ppo, load_prompts, placed_roles
+from llm.alignment.ppo.build import Place, PPOContext, build_actor, build_critic, build_ppo, load_prompts, placed_roles
 from llm.alignment.ppo.interfaces import PolicyBatch, Samples, ValueBatch
 from llm.alignment.ppo.rollout import RolloutBatch, RolloutContext, sampling, scored_batch
 from llm.alignment.ppo.samples_log import sample_rows
@@ -238,8 +238,10 @@ def test_environment_tokens_carry_no_loss(tmp_path):
         t[0, positions] += 3.0
         return t
 
+    run = PPOContext.load(c)
+
     def updated(build, batch) -> dict:
-        role = build(c, Place())  # a fresh role each time: seeded, the same weights and optimizer state
+        role = build(c, Place(), run)  # a fresh role each time: seeded, the same weights and optimizer state
         role.update(batch, [[0, 1]])
         return role.model.state_dict()
 
@@ -311,8 +313,9 @@ def test_a_trainer_step_on_a_two_turn_source(tmp_path):
     c = parse_ppo_config(
         [config(tmp_path, actor_rollout={"num_samples_per_step": 1}, algorithm={"kl_ctrl": {"kl_coef": 0.3}})]
     )
-    with placed_roles(c) as roles:
-        trainer = build_ppo(c, load_prompts(c), roles)
+    run = PPOContext.load(c)
+    with placed_roles(c, run) as roles:
+        trainer = build_ppo(c, load_prompts(c, run), roles, run)
         trainer.source = TwoTurns(trainer.context)
         trainer.train_step()  # the actor moves away from the reference: a KL to check in the second step
         coef = trainer.kl_ctl.value

@@ -31,6 +31,7 @@ class CheckpointMixin:
     """Atomic, pickle-free checkpoints for a ``transformers.Trainer`` subclass (see the module docstring)."""
 
     model_args = None  # the run's ModelArgument (``lora_merge``), set by the trainer
+    run = None  # the run's RunContext (llm.alignment.context), set by the trainer
     _save_training_state = True  # optimizer, scheduler and RNG state in checkpoints (not save_only_model)
 
     @property
@@ -54,11 +55,14 @@ class CheckpointMixin:
 
     @property
     def run_fingerprint(self):
-        """``llm.settings.fingerprint.training_fingerprint`` of this run (computed once), stored in every checkpoint."""
+        """The run's fingerprint (``RunContext.fingerprint``, computed once), stored in every checkpoint; a trainer
+        built without a run: its training arguments' alone."""
+        if self.run is not None:
+            return self.run.fingerprint
         if getattr(self, "_run_fingerprint", None) is None:
-            from llm.settings.fingerprint import training_fingerprint
+            from llm.settings.fingerprint import run_fingerprint
 
-            self._run_fingerprint = training_fingerprint(self.args)
+            self._run_fingerprint = run_fingerprint(self.args)
         return self._run_fingerprint
 
     def _checkpoint_barrier(self) -> None:

@@ -55,6 +55,7 @@ def prm_response_ids(
 
 
 UNLABELLED = -1  # the readout target of a step without a label (ProcessBench after the first error, best-of-N)
+POSITIVE = 0  # the readout target of a step labelled with the positive reward token (1: the negative one)
 
 
 def encode_prm(

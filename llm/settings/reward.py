@@ -25,8 +25,11 @@ class RewardModelArgument(ModelArgument):
         },
     )
 
+    # reward_tokens as (positive, negative), parsed once here (not a setting: derived, never fingerprinted)
+    label_tokens: tuple[str, str] = field(init=False, repr=False)
+
     def __post_init__(self) -> None:
-        reward_token_pair(self.reward_tokens)  # refused at start-up, before any model loads
+        self.label_tokens = reward_token_pair(self.reward_tokens)  # refused at start-up, before any model loads
 
 
 @dataclass

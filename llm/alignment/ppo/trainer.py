@@ -53,6 +53,7 @@ from llm.alignment.ppo.lanes import together
 from llm.alignment.ppo.prompts import Prompt, PromptStream, make_samples
 from llm.alignment.ppo.rollout import Generator, RolloutBatch, RolloutContext, RolloutSource, SingleTurn, scored_batch
 from llm.alignment.ppo.samples_log import SAMPLES_FILE, append_samples, sample_rows, samples_markdown, trim_samples
+from llm.settings.fingerprint import Fingerprint, run_fingerprint
 from llm.settings.ppo import PPOConfig
 from llm.utils import preemption
 from llm.utils.errors import UserError
@@ -75,8 +76,10 @@ class PPOTrainer:
         ref: Policy | None = None,
         critic: Critic | None = None,
         rollout_copy: Policy | None = None,
+        fingerprint: Fingerprint | None = None,
     ) -> None:
         self.c, self.prompts, self.tokenizer = config, prompts, tokenizer
+        self._run_fingerprint = fingerprint  # the build's (PPOContext); None: the config's, as written, when asked
         self.actor, self.ref, self.critic, self.reward = actor, ref, critic, reward
         self.rollout_copy = rollout_copy
         self.ref_head_given = False  # the actor holds the reference's LM head (kl_penalty "full")
@@ -419,11 +422,10 @@ class PPOTrainer:
         return final
 
     @property
-    def run_fingerprint(self):
-        """``llm.settings.fingerprint.run_fingerprint`` of this run's config (computed once)."""
-        if getattr(self, "_run_fingerprint", None) is None:
-            from llm.settings.fingerprint import run_fingerprint
-
+    def run_fingerprint(self) -> Fingerprint:
+        """The run's fingerprint, as given (``PPOContext.fingerprint``); a trainer given none: the config's as
+        written, computed once."""
+        if self._run_fingerprint is None:
             self._run_fingerprint = run_fingerprint(self.c)
         return self._run_fingerprint
 

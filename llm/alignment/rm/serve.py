@@ -277,19 +277,16 @@ def build_scorer(model_args, training_args, serve_args: ServeArgument, max_token
     the longest prompt + response scored (the config's ``max_seq_len``)."""
     from llm.alignment.ppo.rewards import ORMReward, PRMReward
     from llm.alignment.rm.build import build_reward_model
-    from llm.alignment.rm.data import reward_tokens
     from llm.data.encoding import single_token_id
     from llm.utils.modeling import load_tokenizer
 
     tokenizer = load_tokenizer(model_args.tokenizer_name_or_path or model_args.model_name_or_path)
-    model, _ = build_reward_model(model_args, training_args, tokenizer)
+    model, ids = build_reward_model(model_args, training_args, tokenizer)  # ids: a PRM's reward tokens
     model.eval()
     path = model_args.model_name_or_path
     if not training_args.process_reward:
         orm = ORMReward(model, tokenizer, tokenizer, serve_args.micro_batch_size)
         return RewardScorer(orm, tokenizer, "orm", path, max_tokens)
-    tokens = reward_tokens(model_args)
-    ids = tuple(single_token_id(tokenizer, t, "reward_tokens") for t in tokens)
     placeholder = model_args.placeholder_token
     prm = PRMReward(
         model,
