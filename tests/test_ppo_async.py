@@ -205,3 +205,27 @@ def test_on_ray_the_rollout_copy_runs_ahead(tmp_path):
     for a, b in zip(local, remote):
         for key, value in untimed(a).items():
             assert b[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.parametrize("actor", [{}, S1], ids=["sync", "async"])
+def test_the_trainer_is_freed_without_a_garbage_collection(tmp_path, actor):
+    """No reference cycle through the rollout sources (they hold the trainer's scoring, never the trainer): when the
+    run's last reference goes, the trainer and the actor role (with its vLLM engine, when it has one) are freed at
+    once. An engine held until some later garbage collection broke the next run's engine start in the same process.
+    (The actor's model itself may wait for one: torch's get_model_state_dict leaves a cycle over its modules.)"""
+    import gc
+    import weakref
+
+    c = parse_ppo_config([config(tmp_path, training={"max_steps": 2, "save_steps": 0}, actor_rollout=actor)])
+    gc.collect()
+    gc.disable()
+    try:
+        with placed_roles(c) as roles:
+            trainer = build_ppo(c, load_prompts(c), roles)
+            trainer.train()
+            refs = [weakref.ref(trainer), weakref.ref(roles["actor_rollout"])]
+            del trainer
+        del roles
+        assert [r() for r in refs] == [None, None]
+    finally:
+        gc.enable()

@@ -127,13 +127,14 @@ class AsyncRollouts:
         self.copy = self.remote if self.remote is not None else LocalCopy(self.actor, self.need_forward)
         self.version = -1  # updates whose weights the copy holds (-1: unknown, sync before the first rollout)
         self.actor_version = -1  # updates whose weights the actor holds (-1: not known yet)
-        self.threads = torch.get_num_threads()
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="ppo-rollout", initializer=self._thread_setup)
+        # a new thread starts at torch's default pool size: the trainer's count (a plain function, not a method of
+        # this object: no reference cycle keeps the copy and the actor alive after the run)
+        threads = torch.get_num_threads()
+        self.executor = ThreadPoolExecutor(
+            1, thread_name_prefix="ppo-rollout", initializer=torch.set_num_threads, initargs=(threads,)
+        )
         self.pending: Future | None = None
         self.taken: list[tuple[int, int]] = []  # (step, version of the weights that generated it), for checks
-
-    def _thread_setup(self) -> None:
-        torch.set_num_threads(self.threads)  # a new thread starts at torch's default pool size
 
     # --- the rollout source ----------------------------------------------------------------------
     def collect(self, step: int, round: int = 0) -> RolloutBatch:

@@ -202,7 +202,7 @@ class Reward(Protocol):
 
 @dataclass
 class Scored:
-    """Phase 2's record (``PPOTrainer.score``): the samples with log-probs, values, KL and scores."""
+    """Phase 2's record (``Scoring.score``, scoring.py): the samples with log-probs, values, KL and scores."""
 
     samples: Samples
     mask: torch.Tensor  # (B, T)

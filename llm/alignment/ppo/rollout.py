@@ -1,7 +1,7 @@
 """Rollout sources: where a PPO step's scored batch comes from.
 
 A rollout source takes the policy and the prompt stream and returns, for step n, a scored batch
-(``RolloutBatch``): the samples, scored by the trainer's phase 2 (``PPOTrainer.score``, handed to the source
+(``RolloutBatch``): the samples, scored by the trainer's phase 2 (``scoring.Scoring.score``, handed to the source
 as ``RolloutContext.score``), with the source's own figures. The trainer decides what to do with it: it alone
 keeps the step counter, the metrics, the writer and the checkpoint, and it never asks how the batch was made.
 
@@ -39,11 +39,12 @@ ROUND_SEED_STRIDE = 1_000_000_007  # round r of a step samples with the step's s
 class RolloutBatch:
     """One step's scored batch, as a rollout source returns it.
 
-    ``scored``: the samples with log-probs, values, KL and scores (``PPOTrainer.score``). ``behaviour_logprobs``:
+    ``scored``: the samples with log-probs, values, KL and scores (``Scoring.score``). ``behaviour_logprobs``:
     the generating engine's log-probs of the sampled tokens ``(B, T)`` when ``rollout_is_cap`` corrects the
     old log-probs against them (None otherwise, also when they are the old log-probs: ``rollout_log_probs``).
     ``metrics``: the source's figures for the step, logged as they are. ``update`` False: nothing in the batch
-    to train on (DAPO: every group's rewards equal); the trainer logs it and counts the step without an update.
+    to train on (DAPO: every group's rewards equal); the trainer logs it and counts the step without an update
+    (nor ``after_update``).
     """
 
     scored: Scored
@@ -52,7 +53,7 @@ class RolloutBatch:
     update: bool = True
 
 
-# The trainer's phase 2 (``PPOTrainer.score``): ``score(samples, old_logprobs)``, the old log-probs of the
+# The trainer's phase 2 (``Scoring.score``, scoring.py): ``score(samples, old_logprobs)``, the old log-probs of the
 # samples' tokens when the source has them (the generation's, or the generating copy's forward), else None (the
 # actor's forward gives them).
 Scorer = Callable[[Samples, "torch.Tensor | None"], Scored]
@@ -99,7 +100,7 @@ class Generator:
 @dataclass(frozen=True)
 class RolloutContext:
     """What the trainer gives a rollout source: the run's config, prompts (``stream`` picks each step's), the
-    actor's tokenizer, the ``generator`` and the trainer's ``score``."""
+    actor's tokenizer, the ``generator`` and the trainer's phase 2 (``score``)."""
 
     config: PPOConfig
     prompts: list[Prompt]
@@ -165,7 +166,7 @@ def scored_batch(
 
 
 class SingleTurn:
-    """One response per sample: the generator answers the step's prompts, the trainer's ``score`` scores them."""
+    """One response per sample: the generator answers the step's prompts, ``context.score`` scores them."""
 
     def __init__(self, context: RolloutContext) -> None:
         self.context = context

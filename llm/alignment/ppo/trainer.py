@@ -26,11 +26,8 @@ from llm.alignment.ppo.algorithm import (
     ADV_ESTIMATORS,
     KL_CONTROLLERS,
     RunningMoments,
-    environment_rewards,
-    kl_estimate,
     masked_mean,
     masked_whiten,
-    shape_scores,
     token_rewards,
     truncated_is_weights,
 )
@@ -53,6 +50,7 @@ from llm.alignment.ppo.lanes import together
 from llm.alignment.ppo.prompts import Prompt, PromptStream, make_samples
 from llm.alignment.ppo.rollout import Generator, RolloutBatch, RolloutContext, RolloutSource, SingleTurn, scored_batch
 from llm.alignment.ppo.samples_log import SAMPLES_FILE, append_samples, sample_rows, samples_markdown, trim_samples
+from llm.alignment.ppo.scoring import Scoring
 from llm.settings.fingerprint import Fingerprint, run_fingerprint
 from llm.settings.ppo import PPOConfig
 from llm.utils import preemption
@@ -82,7 +80,6 @@ class PPOTrainer:
         self._run_fingerprint = fingerprint  # the build's (PPOContext); None: the config's, as written, when asked
         self.actor, self.ref, self.critic, self.reward = actor, ref, critic, reward
         self.rollout_copy = rollout_copy
-        self.ref_head_given = False  # the actor holds the reference's LM head (kl_penalty "full")
         self.last_checkpoint: str | None = None
         self.kl_ctl = KL_CONTROLLERS[config.algorithm.kl_ctrl.type](config.algorithm.kl_ctrl)
         self.moments = RunningMoments()
@@ -94,7 +91,12 @@ class PPOTrainer:
         a, d = config.actor_rollout, config.data
         self.prompt_stream = PromptStream(len(prompts), d.rollout_batch_size, config.training.seed, d.shuffle)
         self.generator = Generator(actor, rollout_copy, a.rollout_engine == "vllm")
-        self.context = RolloutContext(config, prompts, tokenizer, self.prompt_stream, self.generator, self.score)
+        # phase 2 as a component of its own: the rollout sources call it, and hold no reference to the trainer (a
+        # cycle would keep the trainer and its vLLM engine alive after the run until a garbage collection)
+        self.scoring = Scoring(config, actor, reward, ref, critic, self.moments, self.dapo)
+        self.context = RolloutContext(
+            config, prompts, tokenizer, self.prompt_stream, self.generator, self.scoring.score
+        )
         self.source = self.rollout_source(asynchronous=False)  # train() swaps in the async one for its loop
 
     def together(self, *calls):
@@ -122,63 +124,13 @@ class PPOTrainer:
         samples = make_samples([self.prompts[i] for i in self.prompt_indices(self.step)], responses, self.tokenizer)
         return scored_batch(self.context, samples, None, metrics={"time/rollout": time.perf_counter() - start})
 
-    # --- phase 2: score ----------------------------------------------------------------------
-    @torch.no_grad()
+    # --- phase 2: score (scoring.py) ------------------------------------------------------------
     def score(self, samples: Samples, rollout_logprobs: torch.Tensor | None = None) -> Scored:
-        """``rollout_logprobs``: the old log-probs the rollout source has (the generation's with
-        ``rollout_log_probs``, or the generating copy's forward), used instead of the actor's forward."""
-        alg, rw = self.c.algorithm, self.c.reward
-        mask = samples.response_mask()
-        full = alg.kl_penalty == "full" and self.ref is not None
-
-        def actor():
-            if self.c.on_policy_update:
-                return None  # the update's own forward gives them (on_policy_update)
-            return self.actor.log_probs(samples) if rollout_logprobs is None else rollout_logprobs
-
-        def ref():
-            return self.ref.log_probs(samples) if self.ref is not None else None
-
-        def critic():
-            return self.critic.values(samples) if self.critic is not None else None
-
-        def actor_after_ref():
-            # The exact KL, never a (B, T, V) tensor: the reference returns its final hidden states (B, T, H)
-            # and the actor reads them chunk by chunk with the reference's LM head, which it holds (frozen;
-            # sent once: in one process the reference's own tensors, from Ray workers a copy).
-            if not self.ref_head_given:
-                self.actor.take_reference_head(self.ref.lm_head(on_cpu=self.c.resource_pool.use_ray))
-                self.ref_head_given = True
-            ref_logprobs, ref_hidden = self.ref.log_probs(samples, with_hidden=True)
-            return (*self.actor.log_probs(samples, ref_hidden=ref_hidden), ref_logprobs)
-
-        rest = ((self.critic, critic), (self.reward, lambda: self.reward.score(samples)))
-        if full:  # the actor's call waits for the reference's: one lane
-            (logprobs, kl, ref_logprobs), values, out = self.together((self.ref, actor_after_ref), *rest)
-        else:
-            logprobs, ref_logprobs, values, out = self.together((self.actor, actor), (self.ref, ref), *rest)
-            kl = self.kl(logprobs, ref_logprobs, mask)
-        raw = out.scores.clone()
-        punished = self.dapo.punish(out.scores, samples)  # DAPO's overlong punishment, before the rest (dapo.py)
-        scores = shape_scores(
-            punished, samples.ended, self.moments, alg.missing_eos_penalty, rw.normalize_reward, rw.reward_clip
-        )
-        env = None
-        if samples.turn_rewards is not None:  # multi-turn: per turn (GAE) or one discounted outcome
-            per_turn, gamma = ADV_ESTIMATORS[alg.adv_estimator].per_turn, self.environment_gamma
-            env = environment_rewards(samples.turn_ends, samples.turn_rewards, mask, per_turn, gamma)
-        return Scored(samples, mask, logprobs, ref_logprobs, values, kl * mask, scores, raw, out.dense, env_rewards=env)
-
-    @property
-    def environment_gamma(self) -> float:
-        """``environment.gamma``: the discount of a multi-turn episode's per-turn rewards into its outcome."""
-        return 1.0 if self.c.environment is None else self.c.environment.gamma
+        """The samples scored (``Scoring.score``): log-probs, values, KL, shaped scores."""
+        return self.scoring.score(samples, rollout_logprobs)
 
     def kl(self, logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
-        """Per-token KL estimate; 0 without a reference, or before an on-policy update has given the log-probs."""
-        if logprobs is None or ref_logprobs is None:
-            return torch.zeros(mask.shape)
-        return kl_estimate(logprobs, ref_logprobs, self.c.algorithm.kl_penalty)
+        return self.scoring.kl(logprobs, ref_logprobs, mask)
 
     def correct(self, scored: Scored, behaviour: torch.Tensor | None) -> dict:
         """``rollout_is_cap``: the truncated IS weights of the engine / trainer mismatch, and their metrics."""
