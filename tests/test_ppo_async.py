@@ -217,11 +217,12 @@ def test_the_trainer_is_freed_without_a_garbage_collection(tmp_path, actor):
     import weakref
 
     c = parse_ppo_config([config(tmp_path, training={"max_steps": 2, "save_steps": 0}, actor_rollout=actor)])
+    run = PPOContext.load(c)
     gc.collect()
     gc.disable()
     try:
-        with placed_roles(c) as roles:
-            trainer = build_ppo(c, load_prompts(c), roles)
+        with placed_roles(c, run) as roles:
+            trainer = build_ppo(c, load_prompts(c, run), roles, run)
             trainer.train()
             refs = [weakref.ref(trainer), weakref.ref(roles["actor_rollout"])]
             del trainer
