@@ -45,6 +45,12 @@ _EXCLUDED = {
     "autotuner_benchmark",
     "lora_merge",  # what is saved at the end, not what is trained
     "eval_random_init",  # evaluation only
+    # llm/run_label.py: how much and where it labels, not what a label is
+    "max_problems",
+    "completion_timeout",
+    "vllm_gpu_memory_utilization",
+    "ray_workers",
+    "ray_address",
 }
 
 # transformers.TrainingArguments fields that change what is trained (an allow-list: its many other fields
@@ -138,8 +144,12 @@ _ADDED_LATER = {
     "reward.overlong_penalty_factor": 1.0,
 }
 
+# The flat scripts' fields added after FINGERPRINT_VERSION 1, with their defaults: left out at the default (as
+# _ADDED_LATER for PPO), fingerprinted as every other field when set to anything else.
+_FLAT_ADDED_LATER = {"soft_labels": False}
+
 # Fields whose value is a (comma-separated list of) data file(s) or directories: fingerprinted by content.
-_DATA_FIELDS = {"train_dataset_path", "data.train_dataset_path"}
+_DATA_FIELDS = {"train_dataset_path", "data.train_dataset_path", "problems_path"}
 
 
 @dataclass(frozen=True)
@@ -213,7 +223,11 @@ def _flat_values(args: Any) -> dict[str, Any]:
             for f in dataclasses.fields(args)
             if f.init and f.name not in hf and f.name not in _EXCLUDED_OWN_TRAINING
         ]
-        values = {n: _json_value(getattr(args, n)) for n in names}
+        values = {
+            n: _json_value(getattr(args, n))
+            for n in names
+            if n not in _FLAT_ADDED_LATER or getattr(args, n) != _FLAT_ADDED_LATER[n]
+        }
         values["global_train_batch_size"] = _global_batch(args)
         return values
     if not dataclasses.is_dataclass(args):
