@@ -24,7 +24,8 @@ from llm.utils.threads import choose_threads
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    configure_logging(logging.INFO)
+    configure_logging(logging.WARNING)  # transformers' INFO lines (each model's config) are noise here
+    logging.getLogger("llm").setLevel(logging.INFO)
     choose_threads()  # unless OMP_NUM_THREADS says otherwise (llm/utils/threads.py)
     (args,) = parse_arguments(argv, LABEL_ARGUMENT_TYPES, paddle={})
     validate_label_arguments(args, argv[0])

@@ -6,6 +6,8 @@ problem written; the tiny config runs as shipped and run_reward.py trains on its
 import json
 import os
 import random
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -194,7 +196,7 @@ def test_other_settings_in_the_output_dir_are_refused_unless_overwritten(tmp_pat
     completer = Scripted({1: 0.5, 2: 0.5}, rng=True)
     build = build_with(completer, Policy())
     run_labelling(args_for(tmp_path, problems, num_solutions=2, max_problems=1), "test", build)
-    with pytest.raises(UserError, match=r"other settings \(differing: seed\).*overwrite_output_dir"):
+    with pytest.raises(UserError, match=r"other settings \(differing: seed \(42 -> 7\)\).*overwrite_output_dir"):
         run_labelling(args_for(tmp_path, problems, num_solutions=2, seed=7), "test", build)
     # max_problems says how many, not what a label is: all five resume the first one
     completer.prefixes.clear()
@@ -328,3 +330,36 @@ def test_the_smollm2_config_labels_with_the_real_model(tmp_path):
         assert len(r.steps) == len(r.labels) == len(r.soft_labels)
         assert all(v in (0.0, 0.5, 1.0) for v in r.soft_labels[:-1]) and r.soft_labels[-1] in (0.0, 1.0)
     assert report["completions"] == 2 * (report["steps"] - report["solutions"])
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_write_the_labels_of_one(tmp_path):
+    """Each rank holds a model of its own: its generate must not step in sync with the other rank (it did, and
+    hung once a rank ran out of problems)."""
+    label_main([TINY_CONFIG, "--output_dir", str(tmp_path / "one"), "--max_problems", "4"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    script = os.path.join(ROOT, "llm", "run_label.py")
+    argv = [TINY_CONFIG, "--output_dir", str(tmp_path / "two"), "--max_problems", "4"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", script, *argv],
+        check=False, env=env, timeout=300, capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path / "two" / "parts")) == [
+        "rank-0.done.jsonl", "rank-0.labels.jsonl", "rank-1.done.jsonl", "rank-1.labels.jsonl",
+    ]  # fmt: skip
+    assert (tmp_path / "two" / "labels.jsonl").read_text() == (tmp_path / "one" / "labels.jsonl").read_text()
+    assert read_json(tmp_path / "two" / "report.json") == read_json(tmp_path / "one" / "report.json")
+
+
+@pytest.mark.slow
+def test_ray_workers_write_the_labels_of_one_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.path.join(ROOT, "tests"))  # the workers unpickle this module's completers
+    problems = five_problems(tmp_path)
+    one = args_for(tmp_path / "one", problems, num_solutions=2)
+    run_labelling(one, "test", build_with(Scripted({1: 0.5, 2: 0.5}, rng=True), Policy()))
+    ray = args_for(tmp_path / "ray", problems, num_solutions=2, ray_workers=2)
+    out = run_labelling(ray, "test", build_with(Scripted({1: 0.5, 2: 0.5}, rng=True), Policy()))
+    assert out["problems_labelled"] == 5
+    assert sorted(os.listdir(tmp_path / "ray" / "out" / "parts"))[:2] == ["rank-0.done.jsonl", "rank-0.labels.jsonl"]
+    assert labels_of(ray) == labels_of(one)

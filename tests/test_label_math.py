@@ -221,3 +221,15 @@ def test_prm_trainer_with_soft_labels_equals_bce_on_each_step_alone(tmp_path):
     with torch.no_grad():
         hard = trainer.forward_items(model, collate(rows, pad_token_id=tok.pad_token_id)).loss
     assert not torch.allclose(hard.sort().values, out.loss.sort().values, atol=1e-3)
+
+
+def test_the_judge_prompt_and_its_boxed_verdict():
+    from llm.alignment.label.verify import critique_prompt, read_verdict
+
+    prompt = critique_prompt("What is 2 + 3?", ["2 + 3 = 6.", "The answer is 6."])
+    assert "[Math Problem]\n\nWhat is 2 + 3?" in prompt
+    assert "<paragraph_0>\n2 + 3 = 6.\n</paragraph_0>\n\n<paragraph_1>\nThe answer is 6.\n</paragraph_1>" in prompt
+    assert prompt.endswith("Please put your final answer (i.e., the index) in \\boxed{}.")
+    assert read_verdict("Paragraph 0 is wrong: \\boxed{0}", 2) == 0
+    assert read_verdict("first \\boxed{1}, on reflection \\boxed{ -1 }", 2) == -1  # the last one counts
+    assert read_verdict("no box", 2) is None and read_verdict("\\boxed{5}", 2) is None  # no such step

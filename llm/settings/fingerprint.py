@@ -11,7 +11,9 @@ offload, the PPO resource pool), since a checkpoint resumes under any of those.
 
 ``run_fingerprint(model_args, data_args, training_args)`` (the flat scripts) or ``run_fingerprint(ppo_config)``
 returns a ``Fingerprint``: ``digest`` (hex) and ``values`` (the readable dict it hashes);
-``differing_fields(a, b)`` names the fields two ``values`` dicts disagree on.
+``differing_fields(a, b)`` names the fields two ``values`` dicts disagree on. ``run_fingerprint(label_args)``:
+what ``llm/run_label.py``'s labels are made with (every field but how many problems, where and how fast), so a
+rerun resumes only labels of the same settings.
 """
 
 from __future__ import annotations

@@ -92,8 +92,8 @@ def hf_engine(model, tokenizer, temperature: float) -> Callable[..., Any]:
     """Hugging Face ``generate`` (PPO's: left-padded prompts, KV cache, responses cut at EOS)."""
     from llm.alignment.ppo.generation import generate
 
-    def run(prompt_ids, **kwargs):
-        return generate(model, tokenizer, temperature, prompt_ids, **kwargs)
+    def run(prompt_ids, **kwargs):  # each process has a whole model of its own: no generating in step
+        return generate(model, tokenizer, temperature, prompt_ids, synced=False, **kwargs)
 
     return run
 

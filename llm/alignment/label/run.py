@@ -185,7 +185,8 @@ def init_processes() -> None:
 def _ray_share(args: LabelArguments, share: list[ProblemRecord], rank: int, build: Build) -> int:
     from llm.utils.logging import configure_logging
 
-    configure_logging(logging.INFO)
+    configure_logging(logging.WARNING)
+    logging.getLogger("llm").setLevel(logging.INFO)
     return label_share(args, share, rank, build)
 
 

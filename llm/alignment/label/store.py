@@ -24,6 +24,7 @@ import shutil
 from collections import Counter
 from typing import Any
 
+from llm.utils.checkpoints import differing_fields
 from llm.utils.errors import UserError
 
 RUN_FILE = "label_run.json"
@@ -83,8 +84,8 @@ class LabelStore:
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
                 before = json.load(f)
-            if before != fingerprint:
-                changed = sorted(k for k in set(before) | set(fingerprint) if before.get(k) != fingerprint.get(k))
+            changed = differing_fields(before, fingerprint)
+            if changed:
                 if not overwrite:
                     raise UserError(
                         f"output_dir {self.dir} holds labels made with other settings (differing: "
