@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 import threading
+from collections import Counter
 
 import pytest
 
@@ -123,6 +124,40 @@ def test_omegaprm_does_not_search_a_right_solution(tmp_path):
     assert labels_of(args)[0]["labels"] == ["+"] * 4 and completer.prefixes == [] and out["completions"] == 0
 
 
+class Tree:
+    """For OmegaPRM's tree search. The policy (the root): half its solutions right (g, g, answer 7), half wrong at
+    their second step (g, x, answer 1). The completer: from a prefix holding "x" never right; else half right,
+    half going wrong with an "x" step."""
+
+    def __init__(self, root):
+        self.root = root
+
+    def complete(self, prefixes, n, seed):
+        (prefix,) = prefixes
+        if self.root:
+            right, wrong = "g\ng\nThe answer is 7.", "g\nx\nThe answer is 1."
+        elif "x" in prefix.steps:
+            right = wrong = "The answer is 1."
+        else:
+            right, wrong = "The answer is 7.", "x\nThe answer is 1."
+        return [[Completion(right if j < n // 2 else wrong, True) for j in range(n)]]
+
+
+def test_omegaprm_tree_search_when_the_policy_writes(tmp_path):
+    problems = problems_file(tmp_path, [{"src": "q", "tgt": "7"}])
+    args = args_for(tmp_path, problems, method="omegaprm", num_completions=4, omega_max_search_count=1)
+    out = run_labelling(args, "test", build_with(Tree(root=False), Tree(root=True)))
+    records = labels_of(args)
+    right = [r for r in records if "-" not in r["labels"]]
+    assert len(right) == 2 and right[0]["responses"] == ["g", "g", "The answer is 7."]
+    assert right[0]["soft_labels"] == [None, None, 1.0]
+    # one search of g, x, answer 1 from the root: mid 1 (prefix g, x: MC 0), mid 0 (prefix g: MC 1/2)
+    (searched,) = [r for r in records if "-" in r["labels"]]
+    assert searched["responses"] == ["g", "x", "The answer is 1."]
+    assert searched["labels"] == ["+", "-", "-"] and searched["soft_labels"] == [0.5, 0.0, 0.0]
+    assert out["policy_solutions_generated"] == 4 and out["completions"] == 8 and out["estimates"] == 3
+
+
 def test_the_policy_writes_solutions_split_at_the_separator(tmp_path):
     problems = problems_file(tmp_path, [{"prompt": "q", "answer": "7"}])
     args = args_for(tmp_path, problems, num_solutions=3, num_completions=2)
@@ -205,6 +240,16 @@ def test_other_settings_in_the_output_dir_are_refused_unless_overwritten(tmp_pat
     completer.prefixes.clear()
     out = run_labelling(args_for(tmp_path, problems, num_solutions=2, seed=7, overwrite_output_dir=True), "t", build)
     assert out["problems_labelled"] == 5 and len(completer.prefixes) == 5 * 2 * 2  # started afresh
+
+
+def test_a_run_that_labelled_nothing_is_no_obstacle_to_other_settings(tmp_path):
+    store = LabelStore(str(tmp_path))
+    store.claim({"model_name_or_path": "typo"}, False)  # then the model failed to load: nothing labelled
+    store.claim({"model_name_or_path": "fixed"}, False)
+    assert read_json(tmp_path / "label_run.json") == {"model_name_or_path": "fixed"}
+    store.append(0, 0, [], Counter(problems=1))
+    with pytest.raises(UserError, match=r"model_name_or_path \(fixed -> other\)"):
+        store.claim({"model_name_or_path": "other"}, False)
 
 
 def test_two_processes_write_the_labels_of_one(tmp_path):

@@ -133,6 +133,8 @@ class LabelArguments:
             raise UserError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.temperature <= 0:
             raise UserError(f"temperature must be > 0 (the estimates need samples), got {self.temperature}")
+        if self.completion_timeout <= 0:
+            raise UserError(f"completion_timeout must be > 0 seconds, got {self.completion_timeout}")
         if not 0 < self.top_p <= 1:
             raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:

@@ -151,7 +151,9 @@ class ProblemLabeller:
         a, sep = self.args, self.args.step_separator
 
         def rollouts(prefix: list[str], k: int) -> list[Rollout]:
-            (batch,) = self.generate(self.tools.completer, [Prefix(self.p.prompt, prefix)], k, "completion")
+            # the root's rollouts are the policy's solutions; a prefix's, the completer's completions
+            model, what = (self.tools.completer, "completion") if prefix else (self.tools.policy, "solution")
+            (batch,) = self.generate(model, [Prefix(self.p.prompt, prefix)], k, what)
             start = prefix_text(prefix, sep)
             return [Rollout(split_steps(c.text, sep), self.right(start + c.text)) for c in batch]
 

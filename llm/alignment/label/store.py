@@ -85,13 +85,14 @@ class LabelStore:
             with open(path, encoding="utf-8") as f:
                 before = json.load(f)
             changed = differing_fields(before, fingerprint)
+            # a run that labelled nothing (it stopped at a bad model path, say) loses nothing to new settings
+            if changed and not overwrite and self.finished():
+                raise UserError(
+                    f"output_dir {self.dir} holds labels made with other settings (differing: "
+                    f"{', '.join(changed)}): give another output_dir, or set overwrite_output_dir true to delete "
+                    "them and start afresh"
+                )
             if changed:
-                if not overwrite:
-                    raise UserError(
-                        f"output_dir {self.dir} holds labels made with other settings (differing: "
-                        f"{', '.join(changed)}): give another output_dir, or set overwrite_output_dir true to delete "
-                        "them and start afresh"
-                    )
                 self.clear()
         os.makedirs(self.parts, exist_ok=True)
         _write_whole(path, json.dumps(fingerprint, indent=1, sort_keys=True))
