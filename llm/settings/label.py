@@ -79,7 +79,9 @@ class LabelArguments:
         "\n",
         "What splits a written solution into steps, and joins the steps of a prefix before it is completed.",
     )
-    max_solution_steps: int = _f(32, "A solution with more steps is not labelled (counted in the report).", 1)
+    max_solution_steps: int = _f(
+        32, "A solution (given or written) with more steps is not labelled (counted in the report).", 1
+    )
     # --- checking ------------------------------------------------------------------------------------------
     verifier: str = _f(
         "llm.alignment.ppo.rewards.rule_functions:math_exact_match",

@@ -102,7 +102,7 @@ class ProblemLabeller:
 
     # --- solutions -----------------------------------------------------------------------------------------
     def usable(self, steps: list[str]) -> bool:
-        """A written solution is labelled unless it is empty, too long or holds the PRM's placeholder."""
+        """A solution is labelled unless it is empty, too long or holds the PRM's placeholder."""
         if not steps:
             self.counts["skipped_empty"] += 1
         elif len(steps) > self.args.max_solution_steps:
@@ -115,7 +115,7 @@ class ProblemLabeller:
 
     def solutions(self) -> list[list[str]]:
         if self.p.steps is not None:
-            return [self.p.steps]
+            return [self.p.steps] if self.usable(self.p.steps) else []
         n = self.args.solutions_per_problem
         (written,) = self.generate(self.tools.policy, [Prefix(self.p.prompt, [])], n, "solution")
         return [
