@@ -18,6 +18,8 @@ record: ``llm.alignment.context.RunContext``, ``llm.alignment.ppo.context.PPOCon
 Fields added after checkpoints were written (``ADDED_LATER`` for PPO's ``section.field`` names,
 ``FLAT_ADDED_LATER`` for the flat scripts' field names): at the value that gives the behaviour from before the
 field existed they are left out, so a config that does not set them keeps its fingerprint.
+``run_fingerprint(label_args)``: what ``llm/run_label.py``'s labels are made with (every field but how many
+problems, where and how fast), so a rerun resumes only labels of the same settings.
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ _EXCLUDED = {
     "autotuner_benchmark",
     "lora_merge",  # what is saved at the end, not what is trained
     "eval_random_init",  # evaluation only
+    # llm/run_label.py: how much and where it labels, not what a label is
+    "max_problems",
+    "completion_timeout",
+    "vllm_gpu_memory_utilization",
+    "ray_workers",
+    "ray_address",
 }
 
 # transformers.TrainingArguments fields that change what is trained (an allow-list: its many other fields
@@ -147,10 +155,10 @@ ADDED_LATER = {
 
 # The same for the flat scripts' fields (ModelArgument, DataArgument, TrainingArguments and their subclasses), by
 # field name: a new field goes here with its default, so the configs that do not set it keep their fingerprints.
-FLAT_ADDED_LATER: dict[str, Any] = {}
+FLAT_ADDED_LATER: dict[str, Any] = {"soft_labels": False}
 
 # Fields whose value is a (comma-separated list of) data file(s) or directories: fingerprinted by content.
-_DATA_FIELDS = {"train_dataset_path", "data.train_dataset_path"}
+_DATA_FIELDS = {"train_dataset_path", "data.train_dataset_path", "problems_path"}
 
 
 @dataclass(frozen=True)

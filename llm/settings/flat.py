@@ -339,6 +339,9 @@ INPUT_PATHS = (
     "ref_model_name_or_path",
     "train_dataset_path",
     "dev_dataset_path",
+    "problems_path",  # llm/run_label.py
+    "completer_model_name_or_path",
+    "judge_model_name_or_path",
 )
 
 # Lower bounds of transformers' own fields (ours, and the shared optimizer fields, declare theirs as metadata

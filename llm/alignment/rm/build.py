@@ -111,6 +111,17 @@ def check_orm_training_records(train: PackedData | None) -> None:
         )
 
 
+def check_soft_labels(train: PackedData | None, training_args: RewardTrainingArguments, data_args) -> None:
+    """``soft_labels`` on training records that hold none would train on the hard labels without a word: stop."""
+    if not training_args.soft_labels or train is None or not train.records:  # streamed: nothing to look at first
+        return
+    if all(getattr(r, "soft_labels", None) is None for r in train.records):
+        raise UserError(
+            f"soft_labels is true but no record of train_dataset_path {data_args.train_dataset_path} has "
+            "'soft_labels': train on labels written by llm/run_label.py, or set soft_labels false"
+        )
+
+
 class RewardRecipe(Recipe):
     """What ORM and PRM share: the reward model's loader, reader and evaluation checks; the dev records go to the
     trainer (ProcessBench / best-of-N fields)."""
@@ -185,6 +196,10 @@ class PRMRecipe(RewardRecipe):
 
     def model_objects(self, model, tokenizer) -> dict:
         return {"reward_token_ids": self.reward_token_ids}
+
+    def data_objects(self, train, dev) -> dict:
+        check_soft_labels(train, self.training_args, self.data_args)
+        return super().data_objects(train, dev)
 
 
 def build_reward_trainer(run: RunContext) -> tuple[RewardTrainer, PackedData | None, PackedData | None]:

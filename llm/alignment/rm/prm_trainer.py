@@ -1,8 +1,9 @@
 """Process reward model: the logits of the two reward tokens (``reward_tokens``, e.g. ``+`` / ``-``) read from the
 LM head at every step placeholder.
 
-One item = one labelled step: the cross-entropy of the two-way softmax (``rm.loss.step_loss``); unlabelled steps
-(target -1) are scored but are no loss items. The evaluation adds ProcessBench (records with a first-error label)
+One item = one labelled step: the cross-entropy of the two-way softmax (``rm.loss.step_loss``), or with
+``soft_labels`` the binary cross-entropy of p(+) against the step's soft label (``rm.loss.soft_step_loss``);
+unlabelled steps (target -1) are scored but are no loss items. The evaluation adds ProcessBench (records with a first-error label)
 and best-of-N (records with an answer and a correct flag) of ``llm.alignment.rm.evaluation``.
 """
 
@@ -22,7 +23,7 @@ from llm.alignment.rm.evaluation import (
     metric_name,
     processbench_metrics,
 )
-from llm.alignment.rm.loss import step_loss, step_scores
+from llm.alignment.rm.loss import soft_step_loss, step_loss, step_scores
 from llm.alignment.rm.trainer import RewardTrainer
 from llm.alignment.trainer import ItemOutputs
 from llm.data.encode_reward import POSITIVE, UNLABELLED
@@ -56,7 +57,10 @@ class PRMTrainer(RewardTrainer):
         bias = bias[self.reward_token_ids] if bias is not None else None
         # accelerate returns the forward's outputs in fp32; O2's head weight is bf16
         logits = F.linear(hidden.to(weight.dtype), weight[self.reward_token_ids], bias).float()
-        loss = step_loss(logits, batch.readout_target)
+        if self.args.soft_labels:  # BCE on p(+) against each step's soft label (its hard label where it has none)
+            loss = soft_step_loss(logits, batch.readout_target, batch.readout_value)
+        else:
+            loss = step_loss(logits, batch.readout_target)
         values = {"score": step_scores(logits).detach(), "logits": logits.detach()}
         return ItemOutputs(loss, values, counted=batch.readout_target >= 0)
 
