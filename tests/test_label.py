@@ -366,6 +366,7 @@ def test_the_smollm2_config_labels_with_the_real_model(tmp_path):
 
     out = tmp_path / "labels"
     small = ["--max_problems", "1", "--num_solutions", "1", "--num_completions", "2", "--max_new_tokens", "48"]
+    small += ["--max_solution_steps", "3"]  # bounded: at most 2 estimated steps x 2 completions
     config = os.path.join(ROOT, "llm", "config", "smollm2", "label_argument.json")
     label_main([config, "--model_name_or_path", converted_dir(), "--output_dir", str(out), *small])
     report = read_json(out / "report.json")
