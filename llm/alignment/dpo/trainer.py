@@ -27,7 +27,7 @@ from llm.utils.distributed import with_spares
 from llm.utils.lora import is_peft_model, reference_model
 
 
-@dataclass
+@dataclass(kw_only=True)  # after PackedRow's defaulted fields
 class ReferencedRow(PackedRow):
     """A packed row of pairs with each pair's summed reference log-probs (in ``records`` order)."""
 
