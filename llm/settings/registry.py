@@ -1,5 +1,5 @@
 """Registries of the variants a config chooses by name: advantage estimators, KL estimators and controllers,
-reward types, PRM score aggregations, DPO losses.
+reward types, PRM score aggregations, DPO losses, step scorers (the kinds of process reward model a search reads).
 
 A registry is declared here, on the schema's side, and filled by the module that implements its variants
 (``provider``), which adds each one on import (``llm.alignment.ppo.algorithm`` adds ``gae``, ``grpo``, ...).
@@ -107,6 +107,7 @@ PRM_AGGREGATIONS = Registry("reward.prm_aggregation", PPO_REWARDS)  # name -> f(
 POLICY_LOSSES = Registry("actor_rollout.policy_loss", "llm.alignment.ppo.objectives")  # name -> PolicyObjective
 LOSS_AGG_MODES = Registry("actor_rollout.loss_agg_mode", "llm.alignment.ppo.objectives")  # name -> aggregation
 DPO_LOSSES = Registry("loss_type", "llm.alignment.dpo.loss")  # name -> LossSpec
+STEP_SCORERS = Registry("prm.kind", "llm.alignment.rm.scoring")  # name -> StepScorer class (``from_settings``)
 
 # algorithm.kl_penalty also takes "full": the exact KL over the vocabulary (not a per-token estimator)
 EXACT_KL = "full"
