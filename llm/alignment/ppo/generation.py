@@ -81,6 +81,7 @@ def generate(
     seed: int | None = None,
     with_log_probs: bool = False,
     gather_for_generation: bool = True,
+    stop: str | None = None,
 ):
     """Responses (with EOS if generated, without padding), ``num_samples`` per prompt, consecutive;
     with ``with_log_probs`` also their tokens' log-probs ``(B, T)`` (right-padded with 0), taken
@@ -88,7 +89,9 @@ def generate(
 
     ``seed`` reseeds torch's generator here, in the process that samples, so the responses do not
     depend on where the role runs. ``gather_for_generation``: in an FSDP2 group, full weights once per
-    call (``gathered_for_decoding``) instead of at every decoding step."""
+    call (``gathered_for_decoding``) instead of at every decoding step. ``stop``: a text that also ends a response
+    (transformers' ``stop_strings``: the response ends with the token that completes it, which may run past it;
+    the PRM-guided search cuts there)."""
     if seed is not None:
         torch.manual_seed(seed)
     width = max(len(p) for p in prompt_ids)
@@ -121,6 +124,7 @@ def generate(
             eos_token_id=None if ignore_eos else tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
             synced_gpus=sharded(),  # FSDP2 ranks step together until every rank has finished
+            **({"stop_strings": [stop], "tokenizer": tok} if stop else {}),
         )
     model.train(was_training)
     responses = []

@@ -188,13 +188,19 @@ def sigmoid(x: float) -> float:
 Scorer = tuple[Callable[[Candidate], float], Callable[[Candidate], float]]  # (rank for best-of-N, vote weight)
 
 
-def _best_of_n(groups: dict[str, list[Candidate]], scorers: dict[str, Scorer], seed: int | None) -> dict[str, float]:
-    """``bon<suffix>@N``, ``weighted_vote<suffix>@N`` per scorer, ``majority_vote@N``, ``pass@N``."""
+def _best_of_n(
+    groups: dict[str, list[Candidate]], scorers: dict[str, Scorer], seed: int | None, ns: Sequence[int] | None = None
+) -> dict[str, float]:
+    """``bon<suffix>@N``, ``weighted_vote<suffix>@N`` per scorer, ``majority_vote@N``, ``pass@N``; at each N of
+    ``ns`` (default ``sizes`` of the smallest group)."""
     if not groups:
         return {}
     ordered = drawn_order(groups, seed)
     out: dict[str, float] = {"bon_groups": float(len(groups))}
-    for n in sizes(min(len(g) for g in ordered.values())):
+    smallest = min(len(g) for g in ordered.values())
+    if ns is not None and any(n > smallest for n in ns):
+        raise ValueError(f"best-of-N at N = {max(ns)} over groups of {smallest} candidates")
+    for n in ns if ns is not None else sizes(smallest):
         firsts = [g[:n] for g in ordered.values()]
         out[f"majority_vote@{n}"] = sum(_majority(c).correct for c in firsts) / len(firsts)
         out[f"pass@{n}"] = sum(any(x.correct for x in c) for c in firsts) / len(firsts)
@@ -206,10 +212,11 @@ def _best_of_n(groups: dict[str, list[Candidate]], scorers: dict[str, Scorer], s
 
 
 def best_of_n_metrics(
-    groups: dict[str, list[Candidate]], aggregations: Sequence[str], seed: int | None
+    groups: dict[str, list[Candidate]], aggregations: Sequence[str], seed: int | None, ns: Sequence[int] | None = None
 ) -> dict[str, float]:
     """``bon_<agg>@N``, ``weighted_vote_<agg>@N``, ``majority_vote@N``, ``pass@N`` as shares of groups (a PRM:
-    the aggregated step scores p(correct) rank and weigh the candidates)."""
+    the aggregated step scores p(correct) rank and weigh the candidates), at each N of ``ns`` (default: 1, 2, 4,
+    ... up to the smallest group)."""
     scorers: dict[str, Scorer] = {}
     for agg in aggregations:
         fn = AGGREGATIONS.get(agg, lambda s: s[-1])  # "score": an ORM's one score
@@ -218,7 +225,7 @@ def best_of_n_metrics(
             return fn(c.scores)
 
         scorers[f"_{agg}"] = (score, score)
-    return _best_of_n(groups, scorers, seed)
+    return _best_of_n(groups, scorers, seed, ns)
 
 
 def orm_score(c: Candidate) -> float:
