@@ -109,7 +109,11 @@ class SearchSection:
     step_marker: str = _f("\n\n", "the text that ends a step of the policy's output (search-and-learn: a blank line)")
     max_steps: int = _f(40, "the most steps of a solution; the last one is generated to the end", 1)
     aggregation: str = _f("last", f"how a solution's step scores rank it: {', '.join(AGGREGATIONS)}")
-    answer: str = _f(DEFAULT_ANSWER, "'module:function' text -> final answer (None: no answer); compared with tgt")
+    answer: str = _f(
+        DEFAULT_ANSWER,
+        "'module:function' text -> final answer (None: none); right when it equals the function's answer of the "
+        "reference (tgt), or the reference itself when that gives None",
+    )
     seed: int = _f(42, "seeds the sampling (and init_from_config weights)", 0)
     output_dir: str = _f("output/search", "where search_results.jsonl and search_metrics.json are written")
 
