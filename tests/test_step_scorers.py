@@ -109,3 +109,36 @@ def test_ppo_prm_reward_reads_its_step_scores_through_the_interface():
         assert g == pytest.approx(expected, abs=1e-6)
     assert [len(x) for x in spans] == [2, 3]
     assert reward.score(samples).scores.tolist() == pytest.approx([min(g) for g in got], abs=1e-6)
+
+
+def test_the_evaluation_reads_a_step_scorer_as_it_reads_the_prm_trainer(tmp_path):
+    """An eval-only run of the tiny PRM on ProcessBench solutions and best-of-N candidates, and the same records
+    scored by the discriminative step scorer over the same weights: the same step scores, the same metrics
+    (``step_score_metrics``, the evaluation of any kind)."""
+    from llm.alignment.rm.evaluation import step_score_metrics
+    from llm.alignment.rm.scoring import score_records
+    from llm.data.readers import load_dataset_records
+    from llm.run_reward import main
+    from tests.helpers import read_json, read_jsonl
+    from tests.test_run_reward import SAMPLE, config
+
+    lines = []
+    for name, n in (("processbench_dev.jsonl", 16), ("bon_dev.jsonl", 16)):
+        with open(f"{SAMPLE}/{name}", encoding="utf-8") as f:
+            lines += [next(f) for _ in range(n)]
+    dev = tmp_path / "dev.jsonl"
+    dev.write_text("".join(lines))
+    main([config(tmp_path, dev_dataset_path=str(dev), do_train=False, do_eval=True, prm_threshold_subset="short")])
+    rows = read_jsonl(tmp_path / "out" / "eval_scores.jsonl")
+    results = read_json(tmp_path / "out" / "eval_results.json")
+
+    s = DiscriminativePRM.from_settings(settings("discriminative"), seed=42)  # the config's seed: its weights
+    records = list(load_dataset_records(str(dev), "prm"))
+    scores = score_records(s, records, batch_size=10)
+    assert len(rows) == len(records) == 32
+    for row in rows:
+        assert scores[row["index"]] == pytest.approx(row["step_scores"], abs=1e-5)
+    metrics = step_score_metrics(scores, records, 0.5, "short", ["min", "product", "last", "mean"], seed=42)
+    assert "processbench_f1" in metrics and "bon_min@2" in metrics and "processbench_best_threshold" in metrics
+    for key, value in metrics.items():
+        assert results[f"eval_{key}"] == pytest.approx(value, abs=1e-6), key

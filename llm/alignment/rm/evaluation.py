@@ -41,6 +41,8 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from llm.utils.errors import UserError
+
 AGGREGATIONS: dict[str, Callable[[Sequence[float]], float]] = {
     "min": min,
     "product": math.prod,
@@ -240,6 +242,51 @@ def orm_best_of_n_metrics(groups: dict[str, list[Candidate]], seed: int | None) 
     ``weighted_vote@N`` (argmax over answers of the summed ``sigmoid(logit)``), ``majority_vote@N`` and
     ``pass@N`` (the same as ``best_of_n_metrics`` gives on the same groups), as shares of groups."""
     return _best_of_n(groups, {"": (orm_score, lambda c: sigmoid(orm_score(c)))}, seed)
+
+
+# --- both, from any step scorer's scores --------------------------------------------------------------------
+def best_threshold_metrics(solutions: Sequence[Solution], subset: str) -> dict[str, float]:
+    """The threshold with the best ProcessBench F1 on ``subset``, that F1, and every metric at it."""
+    tuned = [s for s in solutions if s.subset is not None and metric_name(s.subset) == metric_name(subset)]
+    if not tuned:
+        found = sorted({s.subset for s in solutions if s.subset is not None})
+        raise UserError(
+            f"prm_threshold_subset={subset!r}: no ProcessBench record of that subset in the eval data "
+            f"(subsets: {', '.join(found) or 'none'})"
+        )
+    best, best_f1 = best_threshold(tuned)
+    metrics = {"processbench_best_threshold": best, f"processbench_{metric_name(subset)}_best_f1": best_f1}
+    at_best = processbench_metrics(solutions, best)
+    metrics.update({f"{k}_at_best_threshold": v for k, v in at_best.items() if k != "processbench_threshold"})
+    return metrics
+
+
+def step_score_metrics(
+    scores: Sequence[Sequence[float]],
+    records: Sequence,
+    threshold: float,
+    threshold_subset: str | None,
+    aggregations: Sequence[str],
+    seed: int | None,
+) -> dict[str, float]:
+    """ProcessBench over the records with a first-error label (``processbench_metrics``; with ``threshold_subset``
+    also at the threshold best on that subset) and best-of-N over those with a correct flag (``best_of_n_metrics``),
+    ``scores[i]`` being record ``i``'s step scores p(correct): the PRM trainer's evaluation forward or any
+    ``StepScorer`` (``llm.alignment.rm.scoring.score_records``) gives them."""
+    solutions, groups = [], defaultdict(list)
+    for s, rec in zip(scores, records, strict=True):
+        if getattr(rec, "first_error", None) is not None:
+            solutions.append(Solution(s, rec.first_error, rec.subset, rec.generator))
+        if getattr(rec, "correct", None) is not None and s:
+            groups[rec.group].append(Candidate(s, rec.answer, rec.correct))
+    metrics: dict[str, float] = {}
+    if solutions:
+        metrics.update(processbench_metrics(solutions, threshold))
+        if threshold_subset is not None:
+            metrics.update(best_threshold_metrics(solutions, threshold_subset))
+    if groups:
+        metrics.update(best_of_n_metrics(groups, aggregations, seed))
+    return metrics
 
 
 def plot_best_of_n(metrics: dict[str, float], path: str, title: str = "best-of-N") -> None:

@@ -6,7 +6,8 @@ in [0, 1] per solution (an empty solution: an empty list). The evaluators (Proce
 reward server, PPO's PRM reward and the PRM-guided search read a PRM through it only, so a new kind (an
 implicit PRM, a generative one) is one class here, registered by name (``@register_step_scorer``) in the
 registry ``STEP_SCORERS`` (``llm/settings/registry.py``, the config field ``prm.kind``) with a
-``from_settings(prm_section, seed)`` constructor.
+``from_settings(prm_section, seed)`` constructor. ``score_records`` scores evaluation records (ProcessBench,
+best-of-N) with any kind for ``evaluation.step_score_metrics``, the metrics the PRM trainer's evaluation reports.
 
 The kinds:
 
@@ -23,7 +24,7 @@ The kinds:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -64,6 +65,23 @@ def register_step_scorer(name: str) -> Callable[[type], type]:
         return cls
 
     return register
+
+
+def problem_text(messages: list[dict]) -> str:
+    """The problem before a solution as the PRM trainer encodes it without a chat template: the prompt's messages
+    joined by newlines, then a newline; "" when there is none (Math-Shepherd layouts: the question starts the first
+    step; the tokenizer's BOS alone then precedes the steps, as in training)."""
+    return "\n".join(m["content"] for m in messages) + "\n" if messages else ""
+
+
+def score_records(scorer: StepScorer, records: Sequence, batch_size: int = 64) -> list[list[float]]:
+    """The step scores of PRM records (``PRMRecord``: ProcessBench solutions, best-of-N candidates) by any step
+    scorer, for ``evaluation.step_score_metrics``: the evaluation of a PRM of any kind."""
+    out: list[list[float]] = []
+    for start in range(0, len(records), batch_size):
+        part = records[start : start + batch_size]
+        out += scorer.score_steps([problem_text(r.prompt) for r in part], [list(r.steps) for r in part])
+    return out
 
 
 def _check_shape(problems: list[str], steps: list[list[str]]) -> None:

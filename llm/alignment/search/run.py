@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from llm.alignment.ppo.rewards.rule import import_function
 from llm.alignment.rm.evaluation import AGGREGATIONS, Candidate, best_of_n_metrics
-from llm.alignment.rm.scoring import DTYPES
+from llm.alignment.rm.scoring import DTYPES, problem_text
 from llm.alignment.search import tree
 from llm.alignment.search.policy import PRMScore, StepPolicy
 from llm.data.encoding import render_prompt, resolve_chat_template
@@ -50,11 +50,6 @@ def load_problems(c: SearchConfig) -> list[PromptRecord]:
             "needs one for every problem"
         )
     return records
-
-
-def plain_problem(record: PromptRecord) -> str:
-    """The problem as a PRM reads it: the prompt's messages joined, then a newline (``render_prompt``'s text)."""
-    return "\n".join(m["content"] for m in record.prompt) + "\n"
 
 
 def build_policy(c: SearchConfig, tok, prompt_ids: list[list[int]]) -> StepPolicy:
@@ -173,7 +168,7 @@ def run_search(c: SearchConfig) -> dict[str, float]:
     tok = load_tokenizer(c.policy.tokenizer_name_or_path or c.policy.model_name_or_path)
     policy = build_policy(c, tok, prompt_ids_of(c, records, tok))
     scorer = STEP_SCORERS[c.prm.kind].from_settings(c.prm, s.seed)
-    score = PRMScore(scorer, [plain_problem(r) for r in records], s.step_marker)
+    score = PRMScore(scorer, [problem_text(r.prompt) for r in records], s.step_marker)
     aggregate = AGGREGATIONS[s.aggregation]
     problems = list(range(len(records)))
     results: list[dict] = [{} for _ in records]
@@ -241,7 +236,12 @@ def write_outputs(output_dir: str, records: list[PromptRecord], results: list[di
     path = os.path.join(output_dir, RESULTS)
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         for i, (rec, res) in enumerate(zip(records, results)):
-            line = {"index": i, "problem": plain_problem(rec).rstrip("\n"), "reference": rec.reference, "results": res}
+            line = {
+                "index": i,
+                "problem": problem_text(rec.prompt).rstrip("\n"),
+                "reference": rec.reference,
+                "results": res,
+            }
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
     os.replace(path + ".tmp", path)
     write_json_atomic(os.path.join(output_dir, METRICS), metrics)
