@@ -111,7 +111,7 @@ def prompt_texts(n: int) -> list[str]:
 
 
 def run_ours(a, engine: str) -> dict:
-    from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
+    from llm.alignment.ppo.build import ppo_trainer
     from llm.settings.load import parse_ppo_config
 
     data = os.path.join(a.workdir, f"prompts_{os.getpid()}.jsonl")
@@ -153,8 +153,7 @@ def run_ours(a, engine: str) -> dict:
         json.dump(cfg, f)
     c = parse_ppo_config([path])
     rows = []
-    with placed_roles(c) as roles:
-        trainer = build_ppo(c, load_prompts(c), roles)
+    with ppo_trainer(c) as trainer:
         for _ in range(a.steps):
             t = time.perf_counter()
             m = trainer.train_step()

@@ -127,15 +127,15 @@ def run_ours(a, orders) -> dict:
     config = ours_config(B, a.steps, a.lr, do_sample=False, max_response_length=a.response_len, ignore_eos=True)
     labels = [f"prompt {i}" for i in range(len(prompts))]
     trainer = our_trainer(config, prompts.tolist(), tok, (policy, ref, critic, reward), labels)
-    trainer.prompt_indices = lambda step: orders[step]
+    trainer.prompt_stream.indices = lambda step: orders[step]  # the rollout source draws its prompts from it
     out = {"responses": [], "weights": [], "scores": [], "pg": [], "vf": []}
-    rollout, captured = trainer.rollout, []
-    trainer.rollout = lambda indices: captured.append(rollout(indices)) or captured[-1]
+    collect, captured = trainer.source.collect, []
+    trainer.source.collect = lambda step, round=0: captured.append(collect(step, round)) or captured[-1]
     for step in range(a.steps):
         trainer.history.clear()
         out["weights"].append(snapshot(policy))
         metrics = trainer.train_step()
-        samples, _ = captured[-1]  # rollout: (samples, log-probs from generation or None)
+        samples = captured[-1].scored.samples  # the step's RolloutBatch (rollout.py)
         resp = [None] * B
         for r, i in zip(samples.response_ids, orders[step]):
             resp[i] = list(r)

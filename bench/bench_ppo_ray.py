@@ -108,13 +108,12 @@ def write_config(tmp: str, a, model: str, pool: dict) -> str:
 
 
 def run_mode(path: str, steps: int) -> dict:
-    from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
+    from llm.alignment.ppo.build import ppo_trainer
     from llm.settings.load import parse_ppo_config
 
     c = parse_ppo_config([path])
     t0 = time.perf_counter()
-    with placed_roles(c) as roles:
-        trainer = build_ppo(c, load_prompts(c), roles)
+    with ppo_trainer(c) as trainer:
         setup = time.perf_counter() - t0
         metrics = after_warmup([trainer.train_step() for _ in range(steps)], 1)  # the first step is a warm-up
     return {"setup": setup, "steps": [{k: m[k] for k in PHASES} for m in metrics]}

@@ -223,7 +223,7 @@ class Budget:
 def run_grpo_ours(a) -> dict:
     import torch
 
-    from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
+    from llm.alignment.ppo.build import ppo_trainer
     from llm.settings.load import parse_ppo_config
 
     torch.set_num_threads(a.threads)
@@ -276,8 +276,7 @@ def run_grpo_ours(a) -> dict:
     c = parse_ppo_config([path])
     budget = Budget(a.minutes, a.evals, a.max_steps)
     log = []
-    with placed_roles(c) as roles:
-        trainer = build_ppo(c, load_prompts(c), roles)
+    with ppo_trainer(c) as trainer:
         step = 0
         while not budget.done(step):
             t = time.perf_counter()

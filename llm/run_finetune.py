@@ -25,12 +25,14 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(training_args)
     choose_threads()  # unless OMP_NUM_THREADS says otherwise (llm/utils/threads.py)
     # the model code only now: a config or path error above shows in seconds, before these heavy imports
+    from llm.alignment.context import RunContext
     from llm.alignment.runner import output_dir_guard, train_and_evaluate
     from llm.alignment.sft.build import build_sft_trainer
 
-    with output_dir_guard(data_args, training_args):
-        trainer, _train, dev = build_sft_trainer(model_args, data_args, training_args)
-        train_and_evaluate(trainer, data_args, training_args, dev.records if dev else [])
+    run = RunContext.load(model_args, data_args, training_args)  # the tokenizer and what it decides, once
+    with output_dir_guard(run):
+        trainer, train, dev = build_sft_trainer(run)
+        train_and_evaluate(trainer, data_args, training_args, train, dev)
 
 
 if __name__ == "__main__":

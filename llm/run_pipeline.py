@@ -23,13 +23,26 @@ from llm.alignment.ppo.rewards import ORMReward
 from llm.alignment.ppo.rewards.rule_functions import math_exact_match
 from llm.alignment.ppo.roles import PolicyModel
 from llm.data.readers import read_records
+from llm.utils import run_files
 from llm.utils.attention import PACKED_SDPA
 from llm.utils.errors import UserError, run_cli
 from llm.utils.modeling import load_tokenizer
+from llm.utils.rundir import check_output_dir, check_own_directory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "llm", "config", "tiny")
 HELD_OUT = 50
+STAGES = ("sft_before", "sft", "rm", "ppo")  # each stage's output_dir, in --output_dir
+# every name the pipeline writes in --output_dir: the stages, their configs, the prompts split, the report
+WRITTEN = (
+    *STAGES,
+    "sft.json",
+    "rm.json",
+    "ppo.json",
+    "prompts_train.jsonl",
+    "prompts_heldout.jsonl",
+    "pipeline_report.json",
+)
 
 
 def _json(path: str) -> dict:
@@ -92,13 +105,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     out = os.path.abspath(args.output_dir)
-    earlier = [d for d in ("sft_before", "sft", "rm", "ppo") if os.path.isdir(os.path.join(out, d))]
+    check_output_dir(out, "--output_dir")
+    check_own_directory(out, "--output_dir")  # a user's files there: refused, whatever --overwrite says
+    earlier = [d for d in STAGES if os.path.isdir(os.path.join(out, d))]
     if earlier and not args.overwrite:
         raise UserError(
             f"--output_dir {args.output_dir} holds an earlier pipeline run ({', '.join(earlier)}): add --overwrite to "
             "run again there (files of the same name are written over), or give another --output_dir"
         )
     os.makedirs(out, exist_ok=True)
+    run_files.record(out, WRITTEN)  # before they are written: what this pipeline writes there is its own
     again = {"overwrite_output_dir": True} if args.overwrite else {}
     sft_dir, rm_dir, ppo_dir = (os.path.join(out, d) for d in ("sft", "rm", "ppo"))
 

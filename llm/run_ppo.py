@@ -13,8 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
-from llm.settings.fingerprint import run_fingerprint
+from llm.alignment.ppo.build import PPOContext, build_ppo, load_prompts, placed_roles
 from llm.settings.load import parse_ppo_config
 from llm.utils.checkpoints import final_model_complete, latest_checkpoint
 from llm.utils.errors import run_cli
@@ -32,11 +31,12 @@ def main(argv: list[str] | None = None) -> None:
     # on Ray) and not another run's; SIGTERM handled from here on.
     guard = run_guard(t.output_dir, t.resume_from_checkpoint, t.overwrite_output_dir, field="training.output_dir")
     with guard:
-        fingerprint = run_fingerprint(config) if t.resume_from_checkpoint else None
+        run = PPOContext.load(config)  # the tokenizers and what they decide, once; the fingerprint on first use
+        fingerprint = run.fingerprint if t.resume_from_checkpoint else None  # the same one the trainer then saves
         resume = latest_checkpoint(t.resume_from_checkpoint, t.output_dir, fingerprint)
-        prompts = load_prompts(config)
-        with placed_roles(config) as roles:
-            trainer = build_ppo(config, prompts, roles)
+        prompts = load_prompts(config, run)
+        with placed_roles(config, run) as roles:
+            trainer = build_ppo(config, prompts, roles, run)
             if resume:
                 trainer.load_checkpoint(resume)
                 if trainer.finished and not final_model_complete(t.output_dir, trainer.step):

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from llm.alignment.ppo.build import Place, build_reward
+from llm.alignment.ppo.build import Place, PPOContext, build_reward
 from llm.alignment.ppo.interfaces import RoleFailure, Samples
 from llm.alignment.ppo.rewards import HttpReward, ORMReward, RuleReward
 from llm.data.encoding import OverlongCounter, encode_all
@@ -377,7 +377,8 @@ def test_http_reward_settings_reach_the_client(tmp_path):
             "max_response_bytes": 1000,
         },
     )
-    r = build_reward(parse_ppo_config([cfg]), Place())
+    c = parse_ppo_config([cfg])
+    r = build_reward(c, Place(), PPOContext.load(c))
     assert (r.max_retries, r.retry_backoff, r.max_response_bytes, r.parts.scheme) == (0, 0.5, 1000, "https")
 
 

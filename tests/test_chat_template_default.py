@@ -9,7 +9,8 @@ import shutil
 import pytest
 from transformers import AutoTokenizer
 
-from llm.alignment.ppo.build import load_prompts
+from llm.alignment.context import RunContext
+from llm.alignment.ppo.build import PPOContext, load_prompts
 from llm.alignment.sft.build import build_sft_trainer
 from llm.data import encoding
 from llm.data.encoding import placeholder_token_id, render_prompt, resolve_chat_template, usable_placeholder
@@ -65,29 +66,29 @@ def test_unset_follows_the_tokenizer_and_a_setting_wins(smol, plain_dir, caplog)
 def ppo(tmp_path, tok_dir, **data):
     data = {"use_chat_template": None, **data}  # unset (the tiny config says false)
     c = parse_ppo_config([ppo_config(tmp_path, actor_rollout={"tokenizer_name_or_path": tok_dir}, data=data)])
-    return c, load_prompts(c)
+    run = PPOContext.load(c)
+    return c, run, load_prompts(c, run)
 
 
 def test_ppo_prompts_follow_the_actor_tokenizer(tmp_path, smol, plain_dir):
     start = smol.convert_tokens_to_ids("<|im_start|>")
-    c, prompts = ppo(tmp_path, smollm2_dir())
-    assert c.data.use_chat_template is True and all(p.ids[0] == start for p in prompts)
-    c, prompts = ppo(tmp_path, smollm2_dir(), use_chat_template=False)
-    assert c.data.use_chat_template is False and not any(start in p.ids for p in prompts)
-    c, prompts = ppo(tmp_path, plain_dir)
+    c, run, prompts = ppo(tmp_path, smollm2_dir())
+    assert run.use_chat_template is True and all(p.ids[0] == start for p in prompts)
+    assert c.data.use_chat_template is None  # the config stays as written
+    c, run, prompts = ppo(tmp_path, smollm2_dir(), use_chat_template=False)
+    assert run.use_chat_template is False and not any(start in p.ids for p in prompts)
+    c, run, prompts = ppo(tmp_path, plain_dir)
     bos = tokenizer().bos_token_id
-    assert c.data.use_chat_template is False and all(p.ids[0] == bos for p in prompts)
+    assert run.use_chat_template is False and all(p.ids[0] == bos for p in prompts)
 
 
 def test_ppo_fingerprint_of_an_unset_setting_is_the_resolved_one(tmp_path, smol, plain_dir):
-    """Fingerprinted before the prompts load (the resume check): unset reads as the tokenizer's answer, so a config
-    without the field and a template-less tokenizer matches the checkpoints saved when the default was false."""
+    """The run's fingerprint (the resume check's, made before the prompts load) holds the tokenizer's answer for an
+    unset setting, so a config without the field and a template-less tokenizer matches the checkpoints saved when
+    the default was false."""
 
     def fingerprint(tok_dir, **data):
-        data = {"use_chat_template": None, **data}  # unset (the tiny config says false)
-        return run_fingerprint(
-            parse_ppo_config([ppo_config(tmp_path, actor_rollout={"tokenizer_name_or_path": tok_dir}, data=data)])
-        )
+        return ppo(tmp_path, tok_dir, **data)[1].fingerprint
 
     assert fingerprint(plain_dir).digest == fingerprint(plain_dir, use_chat_template=False).digest
     auto, old = fingerprint(smollm2_dir()), fingerprint(smollm2_dir(), use_chat_template=False)
@@ -113,20 +114,20 @@ def sft_args(tmp_path, **overrides):
 def test_sft_build_resolves_it_once_and_the_fingerprint_sees_the_choice(tmp_path, plain_dir):
     user = tokenizer().convert_tokens_to_ids("<|user|>")
     model_args, data_args, training_args = sft_args(tmp_path)
-    assert data_args.use_chat_template is None
-    _, train, _ = build_sft_trainer(model_args, data_args, training_args)
-    assert data_args.use_chat_template is True  # the tiny tokenizer has a template
+    run = RunContext.load(model_args, data_args, training_args)
+    assert run.use_chat_template is True  # the tiny tokenizer has a template
+    _, train, _ = build_sft_trainer(run)
+    assert data_args.use_chat_template is None  # the arguments stay as written
     assert set(first_ids(train)) == {user}
-    model_args, data_args, training_args = sft_args(tmp_path, use_chat_template=False)
-    _, train, _ = build_sft_trainer(model_args, data_args, training_args)
+    _, train, _ = build_sft_trainer(RunContext.load(*sft_args(tmp_path, use_chat_template=False)))
     assert set(first_ids(train)) == {tokenizer().bos_token_id}
-    # a template-less tokenizer: unset and false fingerprint alike, before and after the build
-    unset = sft_args(tmp_path, tokenizer_name_or_path=plain_dir)
-    false = sft_args(tmp_path, tokenizer_name_or_path=plain_dir, use_chat_template=False)
-    before = run_fingerprint(*unset)
-    assert before.digest == run_fingerprint(*false).digest and before.values["use_chat_template"] is False
-    build_sft_trainer(*unset)
-    assert unset[1].use_chat_template is False and run_fingerprint(*unset).digest == before.digest
+    # a template-less tokenizer: unset and false fingerprint alike (the run's choice is fingerprinted)
+    unset = RunContext.load(*sft_args(tmp_path, tokenizer_name_or_path=plain_dir))
+    false = RunContext.load(*sft_args(tmp_path, tokenizer_name_or_path=plain_dir, use_chat_template=False))
+    assert unset.fingerprint.digest == false.fingerprint.digest
+    assert unset.fingerprint.values["use_chat_template"] is False
+    # the setting as written differs (null): only the run's record knows the choice
+    assert run_fingerprint(*sft_args(tmp_path, tokenizer_name_or_path=plain_dir)).values["use_chat_template"] is None
 
 
 def first_ids(train) -> list[int]:

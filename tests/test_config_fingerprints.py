@@ -16,6 +16,7 @@ import pytest
 
 from llm.settings.dpo import DPO_ARGUMENT_TYPES
 from llm.settings.fingerprint import FINGERPRINT_VERSION, run_fingerprint
+from llm.settings.label import LABEL_ARGUMENT_TYPES
 from llm.settings.load import parse_arguments, parse_ppo_config, parse_search_config
 from llm.settings.reward import REWARD_ARGUMENT_TYPES
 from llm.settings.search import SEARCH_SECTIONS
@@ -34,7 +35,12 @@ def values_of(path: str) -> dict:
     if kind in ("ppo", "grpo"):
         fingerprint = run_fingerprint(parse_ppo_config([path]))
     else:
-        types = {"dpo": DPO_ARGUMENT_TYPES, "rm": REWARD_ARGUMENT_TYPES, "prm": REWARD_ARGUMENT_TYPES}
+        types = {
+            "dpo": DPO_ARGUMENT_TYPES,
+            "rm": REWARD_ARGUMENT_TYPES,
+            "prm": REWARD_ARGUMENT_TYPES,
+            "label": LABEL_ARGUMENT_TYPES,  # llm/run_label.py: the settings its labels are made with (resume check)
+        }
         fingerprint = run_fingerprint(*parse_arguments([path], *[types[kind]] if kind in types else []))
     return portable(
         json.loads(json.dumps(fingerprint.values, sort_keys=True).replace(os.path.realpath(ROOT), "<repo>"))

@@ -19,6 +19,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from llm.alignment.context import RunContext
 from llm.alignment.dpo.build import build_dpo_trainer
 from llm.alignment.dpo.loss import LOSSES
 from llm.alignment.dpo.trainer import DPOTrainer, collate_pairs
@@ -93,9 +94,9 @@ def train_in_process(cfg, types, build, paddle=None):
     kwargs = {"paddle": paddle} if paddle is not None else {}
     model_args, data_args, training_args = parse_arguments([cfg], types, **kwargs)
     validate_arguments(model_args, data_args, training_args)
-    trainer, _, _ = build(model_args, data_args, training_args)
+    trainer, train, dev = build(RunContext.load(model_args, data_args, training_args))
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    train_and_evaluate(trainer, data_args, training_args, [])
+    train_and_evaluate(trainer, data_args, training_args, train, dev)
     trainer.model.eval()
     return trainer, before
 
@@ -313,9 +314,9 @@ def test_dpo_lora_run_keeps_no_reference_copy(tmp_path):
     )
     model_args, data_args, training_args = parse_arguments([cfg], DPO_ARGUMENT_TYPES)
     validate_arguments(model_args, data_args, training_args)
-    trainer, _, _ = build_dpo_trainer(model_args, data_args, training_args)
+    trainer, train, _ = build_dpo_trainer(RunContext.load(model_args, data_args, training_args))
     assert trainer.ref_model is None and trainer.adapter_reference
-    train_and_evaluate(trainer, data_args, training_args, [])
+    train_and_evaluate(trainer, data_args, training_args, train)
     assert all(math.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)
 
 
@@ -457,7 +458,7 @@ def test_lora_path_continues_an_adapter(tmp_path):
     )
     model_args, data_args, training_args = parse_arguments([cfg])
     validate_arguments(model_args, data_args, training_args)
-    trainer, _, _ = build_sft_trainer(model_args, data_args, training_args)
+    trainer, _, _ = build_sft_trainer(RunContext.load(model_args, data_args, training_args))
     saved = load_file(first / "adapter_model.safetensors")
     state = {k.replace(".default", ""): v for k, v in trainer.model.state_dict().items() if ".lora_" in k}
     assert len(saved) == len(state) and all(torch.equal(state[k], v) for k, v in saved.items())

@@ -43,8 +43,8 @@ def test_cap_keeps_the_first_records_and_leaves_out_a_cut_group(caplog):
 def test_the_dev_split_alone_is_capped():
     calls = []
 
-    def build(path, batch_size, probs=None, lazy=False, max_records=None):
-        calls.append((path, max_records))
+    def build(path, split, batch_size, probs=None, lazy=False, max_records=None):
+        calls.append((path, split, max_records))
         return SimpleNamespace(overlong=None)
 
     data_args = DataArgument(train_dataset_path="t.jsonl", dev_dataset_path="d.jsonl", max_eval_samples=7)
@@ -52,7 +52,7 @@ def test_the_dev_split_alone_is_capped():
         do_train=True, do_eval=True, eval_strategy="no", per_device_train_batch_size=1, per_device_eval_batch_size=1
     )
     train_and_dev(data_args, training_args, build)
-    assert calls == [("t.jsonl", None), ("d.jsonl", 7)]
+    assert calls == [("t.jsonl", "train", None), ("d.jsonl", "eval", 7)]  # each build told which split it reads
 
 
 def test_plan_text_hand_values():

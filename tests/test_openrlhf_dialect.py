@@ -1,20 +1,25 @@
 """OpenLLaMA2 / OpenRLHF launch scripts as configs (llm/settings/dialects/openrlhf/): the translation of each
 flag by hand, the refusals and their messages, the script forms (heredoc, a plain command, variables), and the
-conformance run: the three commands of the OpenLLaMA2 document (tests/data/openrlhf/, copied as published) through
-run_finetune.py, run_reward.py and run_ppo.py on a tiny Llama, with only model / data paths and step counts edited."""
+conformance run: the seed's three OpenLLaMA2 commands (tests/data/openrlhf/fdda2cc6, copied as published) through
+run_finetune.py, run_reward.py and run_ppo.py on a tiny Llama from a scripts folder, one --save_path for all three,
+with only model / data names and sizes edited. The later heredoc form (tests/data/openrlhf/, 55ccebea) is translated
+flag by flag. Hostile scripts: tests/test_openrlhf_scripts.py."""
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
+import pickle
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from llm import run_finetune, run_ppo, run_reward
 from llm.settings.dialects.openrlhf import read_launch_script
 from llm.settings.load import parse_arguments, parse_ppo_config
+from llm.utils import modeling
 from llm.utils.errors import UserError
 from tests.helpers import ROOT, read_json, tiny_model, tokenizer
 
@@ -58,7 +63,7 @@ def test_published_sft_heredoc_translates_flag_by_flag(tmp_path, data):
     out, notes = translate(published("train_sft_llama.sh", tmp_path, {"Open-Orca/OpenOrca": data["sft"]}), "sft")
     assert out == {
         "model_name_or_path": "meta-llama/Llama-2-7b-hf",  # a hub id: left to the loader, as PaddleNLP names are
-        "output_dir": "./ckpt/7b_llama",
+        "output_dir": "./ckpt/7b_llama/sft_model",  # OpenLLaMA2 saves ./ckpt/7b_llama/sft_model.pt
         "train_dataset_path": data["sft"],
         "dataset_probs": "1.0",
         "use_chat_template": False,  # OpenRLHF: plain text without --apply_chat_template
@@ -266,7 +271,7 @@ REFUSED = [  # (script, extra flags, the message); every other flag as in a vali
     ("sft", "--input_template 'User: {}'", "--input_template: prompts are plain text or the tokenizer's chat"),
     ("sft", "--train_split validation", "--train_split: validation: a local file has one split: train"),
     ("sft", "--max_samples 3", "--max_samples: would keep 3 of 8; this project reads every record: cut the data"),
-    ("sft", "--load_model ckpt/sft_model.pt", r"--load_model: 'ckpt/sft_model.pt' is a state dict, OpenLLaMA2's"),
+    ("sft", "--load_model ckpt/sft_model.pt", r"--load_model: neither 'ckpt/sft_model.pt' nor .* \(ckpt/sft_model/"),
     ("sft", "--ring_attn_size 2", "--ring_attn_size: 2: no ring attention here: set 1"),
     ("sft", "--use_ms", "--use_ms: ModelScope downloads are not available: give local paths"),
     ("rm", "--margin_loss", "--margin_loss: a per-pair margin column is not read"),
@@ -301,6 +306,45 @@ def test_hub_data_sets_and_missing_reward_model_are_refused(tmp_path, data):
         translate(path, "ppo")  # OpenLLaMA2's default rollout batch
 
 
+class _Runs:
+    """A pickle that would create ``path`` when unpickled (torch.load without weights_only)."""
+
+    def __init__(self, path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_openllama2_pt_names_the_model_saved_for_it_and_a_real_pt_is_refused(tmp_path, data, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ckpt" / "sft_model").mkdir(parents=True)
+    (tmp_path / "ckpt" / "sft_model" / "config.json").write_text('{"model_type": "llama"}')
+    rm = f"../train_rm.py\n--pretrain base\n--load_model ./ckpt/sft_model.pt\n--dataset {data['pairs']}\n"
+    rm += "--save_path ./ckpt"
+    out, notes = translate(script(tmp_path, rm), "rm")
+    assert (out["model_name_or_path"], out["tokenizer_name_or_path"], out["output_dir"]) == (
+        "./ckpt/sft_model",  # the directory an OpenLLaMA2 SFT script with --save_path ./ckpt wrote here
+        "base",  # OpenLLaMA2: --pretrain gives the architecture and tokenizer when --load_model gives the weights
+        "./ckpt/rm_model",  # beside it, where a later ./ckpt/rm_model.pt finds it
+    )
+    assert ("--load_model ./ckpt/sft_model.pt: OpenLLaMA2's sft_model.pt; the model saved for it here, "
+            "./ckpt/sft_model, is loaded (Hugging Face format)") in notes  # fmt: skip
+    # OpenLLaMA2's later scripts load sft_model_ocra.pt, which its users renamed sft_model.pt to
+    with pytest.raises(UserError, match=r"neither './ckpt/sft_model_ocra.pt' nor .*; ./ckpt holds sft_model: rename"):
+        translate(script(tmp_path, rm.replace("sft_model.pt", "sft_model_ocra.pt")), "rm")
+    # OpenRLHF's own CLI saves the model in --save_path itself
+    cli = f"openrlhf.cli.train_rm\n--pretrain ./ckpt/sft_model\n--dataset {data['pairs']}\n--save_path ./ckpt/rm"
+    assert translate(script(tmp_path, cli, "cli.sh"), "rm")[0]["output_dir"] == "./ckpt/rm"
+    # a real .pt is a pickle, which can run code: refused unopened, naming the directory to give instead
+    ran = tmp_path / "unpickled"
+    (tmp_path / "ckpt" / "sft_model.pt").write_bytes(pickle.dumps(_Runs(ran)))
+    refused = r"--load_model: './ckpt/sft_model.pt' is a state dict, OpenLLaMA2's .pt format; nothing is unpickled"
+    with pytest.raises(UserError, match=refused + r" here: .*\(the model saved for it here, ./ckpt/sft_model\)"):
+        translate(script(tmp_path, rm), "rm")
+    assert not ran.exists()
+
+
 def test_normalize_reward_with_stored_statistics_is_refused(tmp_path, data):
     rm = tmp_path / "rm"
     rm.mkdir()
@@ -312,9 +356,9 @@ def test_normalize_reward_with_stored_statistics_is_refused(tmp_path, data):
 
 
 # --- conformance: the three commands of the OpenLLaMA2 document -----------------------------------------
-def published(name: str, tmp_path, edits: dict[str, str]) -> str:
+def published(name: str, tmp_path, edits: dict[str, str], source: str = PUBLISHED) -> str:
     """The published script ``name`` with each ``old -> new`` of ``edits`` applied as text (each must be there)."""
-    with open(os.path.join(PUBLISHED, name), encoding="utf-8") as f:
+    with open(os.path.join(source, name), encoding="utf-8") as f:
         text = f.read()
     for old, new in edits.items():
         assert old in text, (name, old)
@@ -337,64 +381,115 @@ def records_logs(caplog, monkeypatch):
     return caplog
 
 
+@pytest.fixture
+def loads(monkeypatch):
+    """Each model a run loads from a directory: (its real path, the embedding and score head as loaded, float)."""
+    seen: list[tuple[str, dict]] = []
+    original = modeling.check_weights_match
+
+    def record(model, missing, path):
+        keep = {k: v.detach().float().clone() for k, v in model.state_dict().items() if k in WATCHED}
+        seen.append((os.path.realpath(path), keep))
+        return original(model, missing, path)
+
+    monkeypatch.setattr(modeling, "check_weights_match", record)
+    return seen
+
+
+WATCHED = ("model.embed_tokens.weight", "score.weight")
+
+
+def saved(directory) -> dict:
+    return {k: v.float() for k, v in load_file(os.path.join(directory, "model.safetensors")).items() if k in WATCHED}
+
+
 @pytest.mark.slow
-def test_openllama2_sft_rm_ppo_scripts_run_as_published(tmp_path, records_logs):
-    base = tmp_path / "llama"  # what --pretrain meta-llama/Llama-2-7b-hf names: a tiny Llama with its tokenizer
+def test_openllama2_sft_rm_ppo_scripts_run_as_published(tmp_path, records_logs, loads, monkeypatch):
+    """The seed's three OpenLLaMA2 commands (fdda2cc6) run in sequence from examples/scripts, as published: one
+    --save_path ./ckpt/7b_llama for all three, the RM loading ./ckpt/7b_llama/sft_model.pt, PPO rm_model.pt and
+    sft_model.pt. Only the model and data names and the sizes are replaced; each stage loads the weights the one
+    before saved (checked by value)."""
+    base = tmp_path / "llama"  # what "meta-llama/Llama-2-7b-hf" names: a tiny Llama with its tokenizer
     tiny_model("llama").save_pretrained(base)
     tokenizer().save_pretrained(base)
-    ckpt = tmp_path / "ckpt"
+    scripts, data = tmp_path / "examples" / "scripts", tmp_path / "data"
+    scripts.mkdir(parents=True)
+    data.mkdir()
+    monkeypatch.chdir(scripts)  # as the seed runs them: cd examples/scripts; ./train_sft_llama.sh
+    save = scripts / "ckpt" / "7b_llama"
+    model = {'"meta-llama/Llama-2-7b-hf"': '"../../llama"'}
 
-    # SFT: the hub data set -> 256 local SFT records (two steps of the published global batch 128); the model and
-    # save paths -> the tiny Llama and tmp. Every other flag as published (bf16, zero_stage 2, flash_attn, ...).
-    sft_data = first_lines(os.path.join(SFT_SAMPLE, "sft_train.jsonl"), tmp_path / "orca.jsonl", 256)
-    run_finetune.main([published("train_sft_llama.sh", tmp_path, {
-        "Open-Orca/OpenOrca": sft_data,
-        "meta-llama/Llama-2-7b-hf": str(base),
-        "./ckpt/7b_llama": str(ckpt / "sft"),
-    })])  # fmt: skip
-    state = read_json(ckpt / "sft" / "trainer_state.json")
-    assert state["global_step"] == 2 and math.isfinite(read_json(ckpt / "sft" / "all_results.json")["train_loss"])
+    # SFT: the hub data set -> 256 local SFT records (two steps of the published global batch 128)
+    first_lines(os.path.join(SFT_SAMPLE, "sft_train.jsonl"), data / "orca.jsonl", 256)
+    sft = seed("train_sft_llama.sh", scripts, {**model, "'Open-Orca/OpenOrca'": "'../../data/orca.jsonl'"})
+    run_finetune.main([sft])
+    assert read_json(save / "sft_model" / "trainer_state.json")["global_step"] == 2
     log = records_logs.text
     assert "--train_batch_size 128 -> gradient_accumulation_steps = 128 (128 / (1 x 1 process(es)))" in log
+    assert '--save_path ./ckpt/7b_llama -> output_dir = "./ckpt/7b_llama/sft_model" (OpenLLaMA2 saves' in log
     assert '--bf16 -> fp16_opt_level = "O2"' in log and "--zero_stage 2: DeepSpeed: memory and speed only" in log
+    sft_weights = saved(save / "sft_model")
+    base_embed = saved(base)["model.embed_tokens.weight"].bfloat16().float()
+    assert not torch.equal(sft_weights["model.embed_tokens.weight"], base_embed)  # SFT moved the weights
 
-    # RM: the four hub data sets -> four local pair files (their published mixing probabilities kept); the SFT
-    # model's .pt -> the SFT run's Hugging Face directory; save path -> tmp.
-    pairs = [first_lines(os.path.join(SAMPLE, "pairs_train.jsonl"), tmp_path / f"p{i}.jsonl", 16, 16 * i)
-             for i in range(4)]  # fmt: skip
-    run_reward.main([published("train_rm_llama.sh", tmp_path, {
-        "Anthropic/hh-rlhf,tasksource/oasst1_pairwise_rlhf_reward,lmsys/chatbot_arena_conversations,"
-        "openai/webgpt_comparisons": ",".join(pairs),
-        "meta-llama/Llama-2-7b-hf": str(base),
-        "./ckpt/7b_llama/sft_model_ocra.pt": str(ckpt / "sft"),
-        "./ckpt/7b_llama": str(ckpt / "rm"),
-    })])  # fmt: skip
-    assert math.isfinite(read_json(ckpt / "rm" / "all_results.json")["train_loss"])
-    assert f"--load_model {ckpt / 'sft'} -> model_name_or_path" in records_logs.text
-    assert '--dataset_probs 0.72,0.08,0.12,0.08 -> dataset_probs = "0.72,0.08,0.12,0.08"' in records_logs.text
+    # RM: the four hub pair sets -> four local files (the published mixing probabilities kept); --load_model
+    # './ckpt/7b_llama/sft_model.pt' as published
+    names = []
+    for i in range(4):
+        first_lines(os.path.join(SAMPLE, "pairs_train.jsonl"), data / f"p{i}.jsonl", 16, 16 * i)
+        names.append(f"../../data/p{i}.jsonl")
+    pairs = ("'Anthropic/hh-rlhf,tasksource/oasst1_pairwise_rlhf_reward,lmsys/chatbot_arena_conversations,"
+             "openai/webgpt_comparisons'")  # fmt: skip
+    before = len(loads)
+    run_reward.main([seed("train_rm_llama.sh", scripts, {**model, pairs: f"'{','.join(names)}'"})])
+    assert "--load_model ./ckpt/7b_llama/sft_model.pt: OpenLLaMA2's sft_model.pt; the model saved for it here, " \
+           "./ckpt/7b_llama/sft_model, is loaded" in records_logs.text  # fmt: skip
+    [(path, weights)] = loads[before:]
+    assert path == str(save / "sft_model")
+    assert torch.equal(weights["model.embed_tokens.weight"], sft_weights["model.embed_tokens.weight"])
+    rm_weights = saved(save / "rm_model")
+    assert not torch.equal(rm_weights["model.embed_tokens.weight"], sft_weights["model.embed_tokens.weight"])
 
-    # PPO: the three hub prompt sets -> three local prompt files (8 prompts); the SFT and RM .pt -> the two runs'
-    # directories; the step sizes: --rollout_batch_size 1024 -> 4, --train_batch_size 128 -> 4 (it must divide the
-    # rollout batch), --generate_max_len 1024 -> 8 (a CPU-sized step); two PPO steps.
-    prompts = [first_lines(os.path.join(SAMPLE, "prompts.jsonl"), tmp_path / f"q{i}.jsonl", n, 4 * i)
-               for i, n in enumerate((4, 2, 2))]  # fmt: skip
-    run_ppo.main([published("train_ppo_llama.sh", tmp_path, {
-        "Open-Orca/OpenOrca,Dahoas/full-hh-rlhf,tasksource/oasst1_pairwise_rlhf_reward": ",".join(prompts),
-        "./ckpt/7b_llama/rm_model_anthropic_oasst_lmsys_webgpt.pt": str(ckpt / "rm"),
-        "./ckpt/7b_llama/sft_model_ocra.pt": str(ckpt / "sft"),
-        "meta-llama/Llama-2-7b-hf": str(base),
-        "./ckpt/7b_llama": str(ckpt / "ppo"),
+    # PPO: the three hub prompt sets -> three local files (8 prompts); --rollout_batch_size 1024 -> 4,
+    # --train_batch_size 128 -> 4 (it must divide the rollout batch), --generate_max_len 1024 -> 8: two PPO steps
+    for i, n in enumerate((4, 2, 2)):
+        first_lines(os.path.join(SAMPLE, "prompts.jsonl"), data / f"q{i}.jsonl", n, 4 * i)
+    prompts = "'yahma/alpaca-cleaned,Dahoas/full-hh-rlhf,tasksource/oasst1_pairwise_rlhf_reward'"
+    before = len(loads)
+    run_ppo.main([seed("train_ppo_llama.sh", scripts, {
+        **model,
+        prompts: "'../../data/q0.jsonl,../../data/q1.jsonl,../../data/q2.jsonl'",
         "--rollout_batch_size 1024": "--rollout_batch_size 4",
         "--train_batch_size 128": "--train_batch_size 4",
         "--generate_max_len 1024": "--generate_max_len 8",
     })])  # fmt: skip
-    history = read_json(ckpt / "ppo" / "log_history.json")
+    history = read_json(save / "ppo_model" / "log_history.json")
     assert [h["step"] for h in history] == [1, 2] and all(h["response_length"] <= 8 for h in history)
-    assert (ckpt / "ppo" / "actor" / "model.safetensors").exists()
+    by_path: dict[str, list[dict]] = {}
+    for path, weights in loads[before:]:
+        by_path.setdefault(path, []).append(weights)
+    assert sorted(by_path) == [str(save / "rm_model"), str(save / "sft_model")]
+    for weights in by_path[str(save / "sft_model")]:  # the actor and its reference
+        assert torch.equal(weights["model.embed_tokens.weight"], sft_weights["model.embed_tokens.weight"])
+    for weights in by_path[str(save / "rm_model")]:  # the reward model and the critic, a copy of it
+        assert all(torch.equal(weights[k], rm_weights[k]) for k in WATCHED)
+    assert sorted(os.listdir(save)) == ["ppo_model", "rm_model", "sft_model"]  # one directory per stage
+    assert (save / "ppo_model" / "actor" / "model.safetensors").exists()
     log = records_logs.text
     assert "--num_episodes 1 (train_ppo.py's default) -> training.max_steps = 2 (1 x (8 prompts // 4))" in log
+    assert "--reward_model_path ./ckpt/7b_llama/rm_model.pt: OpenLLaMA2's rm_model.pt" in log
     assert "--normalize_reward: the reward model stores no mean / std" in log
-    assert f'--reward_model_path {ckpt / "rm"} -> reward.model_name_or_path = "{ckpt / "rm"}"' in log
+    # a later script's ppo_model.pt is PPO's actor
+    flags = "--pretrain ../../llama\n--load_model ./ckpt/7b_llama/ppo_model.pt\n--dataset ../../data/orca.jsonl"
+    out, _ = translate(script(tmp_path, f"../train_sft.py\n{flags}"), "sft")
+    assert out["model_name_or_path"] == "./ckpt/7b_llama/ppo_model/actor"
+
+
+def seed(name: str, folder, edits: dict[str, str]) -> str:
+    """The seed's script ``name`` (tests/data/openrlhf/fdda2cc6) in ``folder`` with each ``old -> new`` of ``edits``
+    applied as text (each must be there); its name, to run from ``folder``."""
+    published(name, folder, edits, os.path.join(PUBLISHED, "fdda2cc6"))
+    return name
 
 
 def test_flat_reader_takes_overrides_after_the_script(tmp_path, data):

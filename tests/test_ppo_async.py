@@ -11,9 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llm.alignment.ppo import generation, loop
+from llm.alignment.ppo import generation
+from llm.alignment.ppo import trainer as trainer_module
 from llm.alignment.ppo.async_rollout import AsyncRollouts
-from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
+from llm.alignment.ppo.build import PPOContext, build_ppo, load_prompts, placed_roles
 from llm.alignment.ppo.roles import PolicyModel
 from llm.run_ppo import main
 from llm.settings.load import parse_ppo_config
@@ -57,8 +58,8 @@ class Recording(AsyncRollouts):
 
     last = None
 
-    def __init__(self, trainer):
-        super().__init__(trainer)
+    def __init__(self, context):
+        super().__init__(context)
         Recording.last = self
 
 
@@ -66,11 +67,12 @@ def test_staleness_1_trains_on_the_previous_policys_samples(tmp_path, monkeypatc
     """Step n+1 (1-indexed) trains on samples the copy generated with the weights before update n: the responses
     are what those weights sample with that step's seed, the old log-probs are those weights' (not the updated
     actor's), and the logged staleness is 1 from step 2 on."""
-    monkeypatch.setattr(loop, "AsyncRollouts", Recording)
+    monkeypatch.setattr(trainer_module, "AsyncRollouts", Recording)
     c = parse_ppo_config([config(tmp_path, training=STEPS3, actor_rollout=S1)])
     seen = []  # per step: actor weights before its update, the samples, the old log-probs
-    with placed_roles(c) as roles:
-        trainer = build_ppo(c, load_prompts(c), roles)
+    run = PPOContext.load(c)
+    with placed_roles(c, run) as roles:
+        trainer = build_ppo(c, load_prompts(c, run), roles, run)
         update_actor = trainer.update_actor
 
         def recorded(exp):
@@ -84,7 +86,7 @@ def test_staleness_1_trains_on_the_previous_policys_samples(tmp_path, monkeypatc
         assert all(h["timing/rollout_s"] > 0 and h["timing/wait_s"] >= 0 for h in log)
         # the copy's version counter: the weights after 0, 0, 1 updates generated steps 1, 2, 3
         assert Recording.last.taken == [(0, 0), (1, 0), (2, 1)]
-        assert trainer.rollout_copy is None and trainer.async_rollouts is None  # given back
+        assert trainer.rollout_copy is None and type(trainer.source).__name__ == "SingleTurn"  # given back
         a = c.actor_rollout
         model = copy.deepcopy(trainer.actor.model)
         policy = PolicyModel(model, trainer.tokenizer, a.temperature, c.micro("actor_rollout"))
@@ -203,3 +205,28 @@ def test_on_ray_the_rollout_copy_runs_ahead(tmp_path):
     for a, b in zip(local, remote):
         for key, value in untimed(a).items():
             assert b[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.parametrize("actor", [{}, S1], ids=["sync", "async"])
+def test_the_trainer_is_freed_without_a_garbage_collection(tmp_path, actor):
+    """No reference cycle through the rollout sources (they hold the trainer's scoring, never the trainer): when the
+    run's last reference goes, the trainer and the actor role (with its vLLM engine, when it has one) are freed at
+    once. An engine held until some later garbage collection broke the next run's engine start in the same process.
+    (The actor's model itself may wait for one: torch's get_model_state_dict leaves a cycle over its modules.)"""
+    import gc
+    import weakref
+
+    c = parse_ppo_config([config(tmp_path, training={"max_steps": 2, "save_steps": 0}, actor_rollout=actor)])
+    run = PPOContext.load(c)
+    gc.collect()
+    gc.disable()
+    try:
+        with placed_roles(c, run) as roles:
+            trainer = build_ppo(c, load_prompts(c, run), roles, run)
+            trainer.train()
+            refs = [weakref.ref(trainer), weakref.ref(roles["actor_rollout"])]
+            del trainer
+        del roles
+        assert [r() for r in refs] == [None, None]
+    finally:
+        gc.enable()

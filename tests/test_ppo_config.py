@@ -12,7 +12,7 @@ import sys
 import pytest
 import yaml
 
-from llm.alignment.ppo.build import load_prompts
+from llm.alignment.ppo.build import PPOContext, load_prompts
 from llm.run_ppo import main
 from llm.settings.load import parse_ppo_config
 from llm.settings.yaml_files import load_yaml
@@ -548,11 +548,11 @@ def test_map_keys_renames_the_prompt_columns(tmp_path):
     c = parse_ppo_config(
         [config(tmp_path, data={"train_dataset_path": str(data), "map_keys": {"src": "question", "tgt": "answer"}})]
     )
-    prompts = load_prompts(c)
+    prompts = load_prompts(c, PPOContext.load(c))
     assert len(prompts) == 4 and [p.reference for p in prompts] == ["1", "2", "3", "4"]
     c.data.map_keys = None
     with pytest.raises(UserError, match="questions.jsonl"):
-        load_prompts(c)
+        load_prompts(c, PPOContext.load(c))
 
 
 def test_relative_paths_resolve_from_llm_too(tmp_path, monkeypatch):
@@ -566,7 +566,7 @@ def test_relative_paths_resolve_from_llm_too(tmp_path, monkeypatch):
     assert f"actor_rollout.model_name_or_path 'llm/assets/nope' does not exist (looked in: {looked})" in str(err.value)
     c = parse_ppo_config(["config/tiny/ppo_argument.json", "--data.train_dataset_path", "data/nope.jsonl"])
     with pytest.raises(UserError, match=r"data.train_dataset_path 'data/nope.jsonl' does not exist \(looked in: "):
-        load_prompts(c)
+        load_prompts(c, PPOContext.load(c))
 
 
 def test_cd_llm_launch_runs_one_step(tmp_path):

@@ -13,15 +13,10 @@ import zlib
 import pytest
 import torch
 
-from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
-from llm.alignment.ppo.dapo import (
-    DAPO,
-    informative_groups,
-    overlong_punishment,
-    prompt_stream,
-    select_scored,
-)
+from llm.alignment.ppo.build import PPOContext, build_ppo, load_prompts, placed_roles
+from llm.alignment.ppo.dapo import DAPO, informative_groups, overlong_punishment, select_scored
 from llm.alignment.ppo.interfaces import Samples, Scored
+from llm.alignment.ppo.prompts import prompt_stream
 from llm.run_ppo import main
 from llm.settings.load import parse_ppo_config
 from llm.utils.errors import UserError
@@ -204,8 +199,9 @@ def test_no_group_left_skips_the_update(tmp_path, caplog):
     c = parse_ppo_config(
         [dapo_config(tmp_path, reward={"rule": "tests.test_ppo_dapo:constant"}, algorithm={"max_num_gen_batches": 2})]
     )
-    with placed_roles(c) as roles:
-        trainer = build_ppo(c, load_prompts(c), roles)
+    run = PPOContext.load(c)
+    with placed_roles(c, run) as roles:
+        trainer = build_ppo(c, load_prompts(c, run), roles, run)
         before = {k: v.clone() for k, v in trainer.actor.model.state_dict().items()}
         with caplog.at_level(logging.WARNING):
             metrics = trainer.train_step()
@@ -213,7 +209,11 @@ def test_no_group_left_skips_the_update(tmp_path, caplog):
     assert all(torch.equal(before[k], after[k]) for k in before)  # no optimizer step
     assert metrics["dapo/update_skipped"] == 1 and metrics["dapo/gen_rounds"] == 2
     assert metrics["dapo/groups_dropped"] == 8 and metrics["dapo/groups_kept"] == 0 and "policy_loss" not in metrics
-    assert trainer.step == 1 and trainer.dapo.extra_prompts == 4 and len(trainer.last_experience.scored.samples) == 32
+    assert (
+        trainer.step == 1
+        and trainer.prompt_stream.extra_prompts == 4
+        and len(trainer.last_experience.scored.samples) == 32
+    )
     assert "no update this step" in caplog.text
     assert trainer.prompt_indices(1) == prompt_stream(
         300, 8, 4, c.training.seed, True

@@ -15,8 +15,8 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from llm.alignment.ppo.build import build_ppo, build_role, load_prompts, placed_roles
-from llm.alignment.ppo.loading import Place, actor_tokenizer, load_frozen
+from llm.alignment.ppo.build import PPOContext, build_ppo, build_role, load_prompts, placed_roles
+from llm.alignment.ppo.loading import Place, load_frozen
 from llm.alignment.ppo.lora import ActorBase
 from llm.alignment.ppo.roles import PolicyModel, ValueModel
 from llm.run_ppo import main
@@ -71,13 +71,14 @@ def max_diff(a, b):
 
 def test_only_adapters_and_the_critic_head_train_and_the_reference_is_the_actors_model(tmp_path):
     c = parse_ppo_config([config(tmp_path)])
-    with placed_roles(c) as roles:
+    run = PPOContext.load(c)
+    with placed_roles(c, run) as roles:
         actor, critic, ref = roles["actor_rollout"], roles["critic"], roles["ref"]
         assert isinstance(ref, ActorBase) and ref.model is actor.model  # no second copy of the weights
         frozen = sum(p.numel() for p in actor.model.parameters() if not p.requires_grad)
         assert frozen == sum(p.numel() for p in base().parameters())
         before = {"actor": snapshot(actor.model), "critic": snapshot(critic.model)}
-        trainer = build_ppo(c, load_prompts(c), roles)
+        trainer = build_ppo(c, load_prompts(c, run), roles, run)
         for _ in range(2):
             trainer.train_step()
         moved_actor = changed(actor.model, before["actor"])
@@ -95,12 +96,13 @@ def test_only_adapters_and_the_critic_head_train_and_the_reference_is_the_actors
 def explicit_ref_trainer(c):
     """The trainer of ``c`` with the reference an explicit frozen copy of the base (what a LoRA actor's
     disabled adapter must equal): the same roles otherwise, built in the same order."""
-    roles = {"actor_rollout": build_role(c, "actor_rollout")}
-    copy = load_frozen(c, AutoModelForCausalLM, c.actor_rollout.model_name_or_path, True, actor_tokenizer(c), Place())
-    roles["ref"] = PolicyModel(copy, actor_tokenizer(c), c.actor_rollout.temperature, c.micro("ref"))
-    roles["reward"] = build_role(c, "reward")
-    roles["critic"] = build_role(c, "critic")
-    return build_ppo(c, load_prompts(c), roles)
+    run = PPOContext.load(c)
+    roles = {"actor_rollout": build_role(c, "actor_rollout", run=run)}
+    copy = load_frozen(c, AutoModelForCausalLM, c.actor_rollout.model_name_or_path, True, run.tokenizer, Place())
+    roles["ref"] = PolicyModel(copy, run.tokenizer, c.actor_rollout.temperature, c.micro("ref"))
+    roles["reward"] = build_role(c, "reward", run=run)
+    roles["critic"] = build_role(c, "critic", run=run)
+    return build_ppo(c, load_prompts(c, run), roles, run)
 
 
 @pytest.mark.parametrize(
@@ -108,8 +110,9 @@ def explicit_ref_trainer(c):
 )
 def test_disabled_adapter_reference_equals_an_explicit_frozen_copy(tmp_path, kl):
     c = parse_ppo_config([config(tmp_path, algorithm={**kl, "kl_ctrl": {"type": "fixed", "kl_coef": 0.1}})])
-    with placed_roles(c) as roles:
-        shared = build_ppo(c, load_prompts(c), roles)
+    run = PPOContext.load(c)
+    with placed_roles(c, run) as roles:
+        shared = build_ppo(c, load_prompts(c, run), roles, run)
         runs = {"shared": shared, "copy": explicit_ref_trainer(c)}
         steps = {name: [t.train_step() for _ in range(3)] for name, t in runs.items()}
         exps = {name: t.last_experience for name, t in runs.items()}
@@ -136,12 +139,13 @@ def test_disabled_adapter_reference_equals_an_explicit_frozen_copy(tmp_path, kl)
 
 def test_rollout_copy_receives_the_merged_weights_and_gives_the_actors_log_probs(tmp_path):
     c = parse_ppo_config([config(tmp_path)])
-    with placed_roles(c) as roles:
-        trainer = build_ppo(c, load_prompts(c), roles)
+    run = PPOContext.load(c)
+    with placed_roles(c, run) as roles:
+        trainer = build_ppo(c, load_prompts(c, run), roles, run)
         trainer.train_step()
         trainer.train_step()
         actor = roles["actor_rollout"]
-        copy = build_role(c, "rollout")  # a plain model: the base as loaded
+        copy = build_role(c, "rollout", run=run)  # a plain model: the base as loaded
         assert not hasattr(copy.model, "peft_config")
         samples = trainer.last_experience.scored.samples
         mask = samples.response_mask().bool()
@@ -161,8 +165,9 @@ def test_rollout_copy_receives_the_merged_weights_and_gives_the_actors_log_probs
 
 def test_saved_adapters_reload_with_peft_and_the_merged_export_matches(tmp_path):
     c = parse_ppo_config([config(tmp_path, critic={"lora_merge": True})])
-    with placed_roles(c) as roles:
-        trainer = build_ppo(c, load_prompts(c), roles)
+    run = PPOContext.load(c)
+    with placed_roles(c, run) as roles:
+        trainer = build_ppo(c, load_prompts(c, run), roles, run)
         trainer.train()
         samples = trainer.last_experience.scored.samples
         actor, critic = roles["actor_rollout"], roles["critic"]
@@ -175,7 +180,7 @@ def test_saved_adapters_reload_with_peft_and_the_merged_export_matches(tmp_path)
         assert not (out / part / "model.safetensors").exists()  # the adapter, not a copy of the base
         assert (out / part / "merged" / "model.safetensors").exists()
     assert "base_model.model.score.weight" in load_file(out / "critic" / "adapter_model.safetensors")
-    tok = actor_tokenizer(c)
+    tok = run.tokenizer
     reloaded = PeftModel.from_pretrained(base(), out / "actor").eval()
     merged = AutoModelForCausalLM.from_pretrained(out / "actor" / "merged").eval()
     value_base = base(AutoModelForSequenceClassification, num_labels=1)
@@ -293,17 +298,18 @@ def test_a_separate_reference_model_is_loaded_and_colocated_ray_is_accepted(tmp_
     other = tmp_path / "other-llama"  # another path: a reference of its own (the same path is the actor's base)
     shutil.copytree(TINY_LLAMA, other)
     c = parse_ppo_config([config(tmp_path, ref={"model_name_or_path": str(other), "init_from_config": True})])
-    ref = build_role(c, "ref")
+    ref = build_role(c, "ref", run=PPOContext.load(c))
     assert not isinstance(ref, ActorBase) and not hasattr(ref.model, "peft_config")
     pool = {"use_ray": True, "actor_rollout": 0.5, "ref": 0.5, "critic": 0.5, "reward": 0.5}
     c = parse_ppo_config([config(tmp_path, resource_pool={**pool, "colocate": [["ref", "actor_rollout"]]})])
     assert c.resource_pool.colocate == [["ref", "actor_rollout"]]
     # a ref built before its actor (colocated in that order) finds the actor's model once it is built
     roles: dict = {}
-    roles["ref"] = build_role(c, "ref", built=roles)
+    run = PPOContext.load(c)
+    roles["ref"] = build_role(c, "ref", built=roles, run=run)
     with pytest.raises(UserError, match="no actor role was built in this process"):
         roles["ref"].model  # noqa: B018
-    roles["actor_rollout"] = build_role(c, "actor_rollout", built=roles)
+    roles["actor_rollout"] = build_role(c, "actor_rollout", built=roles, run=run)
     assert roles["ref"].model is roles["actor_rollout"].model
 
 

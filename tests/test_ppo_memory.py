@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from llm.alignment.ppo.build import Place, build_actor, build_critic, build_ref, build_reward
+from llm.alignment.ppo.build import Place, PPOContext, build_actor, build_critic, build_ref, build_reward
 from llm.alignment.ppo.checkpoint import OPTIMIZER_FILE
 from llm.alignment.ppo.interfaces import PolicyBatch, Samples, ValueBatch
 from llm.alignment.ppo.offload import HOST, HostAdamW, OffloadedTrainableRole, offload_when_idle
@@ -106,8 +106,8 @@ def test_offloaded_role_checkpoint_loads_into_a_plain_role_and_back(tmp_path):
 def test_adam_offload_on_cpu_is_the_identity_and_says_so(tmp_path, caplog):
     c = parse_ppo_config([config(tmp_path, training={"adam_offload": True})])
     with caplog.at_level(logging.INFO, logger="llm.alignment.ppo.build"):
-        actor = build_actor(c, Place("cpu"))
-        critic = build_critic(c, Place("cpu"))
+        run = PPOContext.load(c)
+        actor, critic = build_actor(c, Place("cpu"), run), build_critic(c, Place("cpu"), run)
     assert type(actor.optim) is TrainableRole and type(critic.optim) is TrainableRole
     assert "adam_offload: actor_rollout runs on the CPU" in caplog.text
     assert "adam_offload: critic runs on the CPU" in caplog.text
@@ -164,9 +164,10 @@ def test_gradient_checkpointing_gives_the_same_losses_and_gradients(kind):
 
 def test_gradient_checkpointing_is_enabled_on_the_trained_roles_only(tmp_path):
     c = parse_ppo_config([config(tmp_path, training={"gradient_checkpointing": True})])
-    assert build_actor(c, Place()).model.is_gradient_checkpointing
-    assert build_critic(c, Place()).model.is_gradient_checkpointing
-    assert not build_ref(c, Place()).model.is_gradient_checkpointing
+    run = PPOContext.load(c)
+    assert build_actor(c, Place(), run).model.is_gradient_checkpointing
+    assert build_critic(c, Place(), run).model.is_gradient_checkpointing
+    assert not build_ref(c, Place(), run).model.is_gradient_checkpointing
 
 
 # --- frozen roles in bf16 -----------------------------------------------------------------------------
@@ -185,7 +186,7 @@ def test_bf16_reference_log_probs_are_close_to_fp32(tmp_path):
     roles = {}
     for dtype in ("float32", "bfloat16"):
         c = parse_ppo_config([config(tmp_path, ref={"dtype": dtype})])
-        roles[dtype] = build_ref(c, Place())
+        roles[dtype] = build_ref(c, Place(), PPOContext.load(c))
     assert next(roles["bfloat16"].model.parameters()).dtype == torch.bfloat16
     assert next(roles["float32"].model.parameters()).dtype == torch.float32
     lp32, lp16 = (roles[d].log_probs(samples) for d in ("float32", "bfloat16"))
@@ -200,7 +201,7 @@ def test_bf16_reward_scores_are_close_to_fp32(tmp_path):
     scores = {}
     for dtype in ("float32", "bfloat16"):
         c = parse_ppo_config([config(tmp_path, reward={**reward, "dtype": dtype})])
-        role = build_reward(c, Place())
+        role = build_reward(c, Place(), PPOContext.load(c))
         assert isinstance(role, ORMReward) and next(role.model.parameters()).dtype == getattr(torch, dtype)
         scores[dtype] = role.score(samples).scores
     diff = (scores["float32"] - scores["bfloat16"]).abs().max().item()
@@ -210,7 +211,7 @@ def test_bf16_reward_scores_are_close_to_fp32(tmp_path):
 def test_frozen_dtype_defaults_to_the_trained_models(tmp_path):
     c = parse_ppo_config([config(tmp_path)])
     assert c.ref.dtype is None and c.reward.dtype is None and not c.ref.offload and not c.training.adam_offload
-    assert next(build_ref(c, Place()).model.parameters()).dtype == torch.float32
+    assert next(build_ref(c, Place(), PPOContext.load(c)).model.parameters()).dtype == torch.float32
 
 
 # --- offload when idle --------------------------------------------------------------------------------
@@ -253,7 +254,7 @@ def test_offload_when_idle_moves_the_model_around_each_call():
 def test_offload_on_cpu_is_the_identity_and_says_so(tmp_path, caplog):
     c = parse_ppo_config([config(tmp_path, ref={"offload": True})])
     with caplog.at_level(logging.INFO, logger="llm.alignment.ppo.build"):
-        ref = build_ref(c, Place("cpu"))
+        ref = build_ref(c, Place("cpu"), PPOContext.load(c))
     assert isinstance(ref, PolicyModel) and not hasattr(ref, "offload_moves")
     assert "ref.offload: ref runs on the CPU, nothing to offload" in caplog.text
 
@@ -263,15 +264,17 @@ def test_offload_moves_parameters_on_cuda(tmp_path):
     samples = fixed_samples()
     reward = {**ORM_REWARD, "offload": True}
     c = parse_ppo_config([config(tmp_path, ref={"offload": True}, reward=reward, training={"adam_offload": True})])
-    ref, rm = build_ref(c, Place("cuda")), build_reward(c, Place("cuda"))
+    run = PPOContext.load(c)
+    ref, rm = build_ref(c, Place("cuda"), run), build_reward(c, Place("cuda"), run)
     for role in (ref, rm):
         assert next(role.model.parameters()).device.type == "cpu"
-    plain = build_ref(parse_ppo_config([config(tmp_path)]), Place("cuda"))
+    plain_config = parse_ppo_config([config(tmp_path)])
+    plain = build_ref(plain_config, Place("cuda"), PPOContext.load(plain_config))
     assert torch.allclose(ref.log_probs(samples), plain.log_probs(samples), atol=1e-5)
     rm.score(samples)
     for role in (ref, rm):
         assert next(role.model.parameters()).device.type == "cpu" and role.offload_moves == [1, 1]
-    actor = build_actor(c, Place("cuda"))
+    actor = build_actor(c, Place("cuda"), PPOContext.load(c))
     assert isinstance(actor.optim, OffloadedTrainableRole)
     _loss(actor.model, 0).backward()
     actor.optim.step()

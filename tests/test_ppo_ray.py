@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
+from llm.alignment.ppo.build import PPOContext, build_ppo, load_prompts, placed_roles
 from llm.alignment.ppo.interfaces import RoleFailure
 from llm.run_ppo import main
 from llm.settings.load import parse_ppo_config
@@ -52,8 +52,9 @@ def two_steps(path: str, *overrides: str, samples: int = SAMPLES):
     """Step 1 on ``samples`` fixed responses, step 2 generated (after step 1's update and, on Ray, the
     weight sync). The roles stay up until the block ends."""
     c = parse_ppo_config([path, *overrides])
-    with placed_roles(c) as roles:
-        trainer = build_ppo(c, load_prompts(c), roles)
+    run = PPOContext.load(c)
+    with placed_roles(c, run) as roles:
+        trainer = build_ppo(c, load_prompts(c, run), roles, run)
         steps = []
         for responses in (fixed_responses(samples), None):
             metrics = trainer.train_step(responses=responses)
@@ -215,7 +216,10 @@ def test_bad_role_config_in_a_worker_is_a_user_error(ray_cluster, tmp_path):
     for role in ("actor_rollout", "ref", "critic", "reward"):
         pool[role] = 0.5
     c = parse_ppo_config([config(tmp_path, resource_pool=pool, reward={"rule": "no_such_module:fn"})])
-    with pytest.raises(UserError, match=r"^reward.rule 'no_such_module:fn': cannot import"), placed_roles(c):
+    with (
+        pytest.raises(UserError, match=r"^reward.rule 'no_such_module:fn': cannot import"),
+        placed_roles(c, PPOContext.load(c)),
+    ):
         pass
 
 
@@ -225,14 +229,14 @@ def test_a_request_larger_than_the_cluster_stops_at_once(ray_cluster, tmp_path):
     message = (
         r"asks for 4.5 CPU\(s\) in all \(actor_rollout: 2, ref: 1, reward: 0.5, critic: 1\) but the Ray cluster has 2"
     )
-    with pytest.raises(UserError, match=message), placed_roles(c):
+    with pytest.raises(UserError, match=message), placed_roles(c, PPOContext.load(c)):
         pass
 
 
 def test_use_ray_without_ray_installed_says_pip_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     c = parse_ppo_config([config(tmp_path, resource_pool={"use_ray": True})])
-    with pytest.raises(UserError, match="Ray is not installed: pip install ray"), placed_roles(c):
+    with pytest.raises(UserError, match="Ray is not installed: pip install ray"), placed_roles(c, PPOContext.load(c)):
         pass
 
 

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer
 
 from llm.alignment.ppo import rewards
-from llm.alignment.ppo.build import build_role
+from llm.alignment.ppo.build import PPOContext, build_role
 from llm.alignment.ppo.interfaces import RewardOutput, Samples
 from llm.alignment.ppo.rewards import REWARDS, RewardFunction, char_to_token_end, decoded_lengths, register_reward
 from llm.run_ppo import main
@@ -51,7 +51,7 @@ class ToyLength(RewardFunction):
         self.scale = scale
 
     @classmethod
-    def from_config(cls, c, place) -> ToyLength:
+    def from_config(cls, c, place, run) -> ToyLength:
         return cls(c.reward.timeout)
 
     def score(self, samples: Samples) -> RewardOutput:
@@ -71,7 +71,7 @@ def toy_reward():
 
 def test_a_registered_toy_reward_type_runs_through_build_and_a_run(tmp_path, toy_reward):
     c = parse_ppo_config([config(tmp_path, reward={"type": "toy_length", "timeout": 0.5})])
-    reward = build_role(c, "reward")
+    reward = build_role(c, "reward", run=PPOContext.load(c))
     assert isinstance(reward, ToyLength) and reward.scale == 0.5
     n = 3
     s = Samples([[1, 5]] * n, [[9]] * n, ["q"] * n, ["ab", "", "abcd"], [None] * n, torch.ones(n, dtype=bool))

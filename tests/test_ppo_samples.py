@@ -8,6 +8,7 @@ import pytest
 from llm.run_ppo import main
 from llm.settings.fingerprint import run_fingerprint
 from llm.settings.load import parse_ppo_config
+from llm.utils import run_files
 from llm.utils.errors import run_cli
 from tests.helpers import ROOT, tokenizer
 from tests.test_ppo_run import config
@@ -59,6 +60,7 @@ def test_log_samples_zero_writes_nothing_and_a_fresh_run_drops_old_lines(tmp_pat
     out = tmp_path / "out"
     out.mkdir()
     (out / "samples.jsonl").write_text(json.dumps({"step": 7, "sample": 0}) + "\n")  # left by an earlier run
+    run_files.record(str(out), ["samples.jsonl"])  # which wrote it (a run's run_files.json)
     main([config(tmp_path, training={"log_samples": 1, "max_steps": 1, "overwrite_output_dir": True})])
     assert [(r["step"], r["sample"]) for r in rows(out)] == [(1, 0)]
     other = tmp_path / "none"

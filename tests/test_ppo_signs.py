@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from llm.alignment.ppo.algorithm import RunningMoments, kl_estimate, shape_scores
-from llm.alignment.ppo.build import Place, build_actor
+from llm.alignment.ppo.build import Place, PPOContext, build_actor
 from llm.alignment.ppo.interfaces import PolicyBatch
 from llm.settings.load import parse_ppo_config
 from llm.settings.registry import ADV_ESTIMATORS, KL_CONTROLLERS, KL_ESTIMATORS, kl_kinds
@@ -24,7 +24,7 @@ from tests.test_ppo_run import config as ppo_config
 
 def _actor(tmp_path, **actor):
     c = parse_ppo_config([ppo_config(tmp_path, actor_rollout={"learning_rate": 1e-4, **actor})])
-    return build_actor(c, Place())
+    return build_actor(c, Place(), PPOContext.load(c))
 
 
 def _entropy(actor, samples) -> float:
@@ -79,7 +79,7 @@ def test_kl_loss_term_pulls_the_policy_towards_the_reference(tmp_path, kind):
             )
         ]
     )
-    actor = build_actor(c, Place())
+    actor = build_actor(c, Place(), PPOContext.load(c))
     samples = fixed_samples()
     mask = samples.response_mask()
     logp = actor.log_probs(samples)

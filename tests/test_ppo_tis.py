@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llm.alignment.ppo.algorithm import truncated_is_weights
-from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
+from llm.alignment.ppo.build import PPOContext, build_ppo, load_prompts, placed_roles
 from llm.alignment.ppo.objectives import policy_loss
 from llm.settings.load import parse_ppo_config
 from llm.utils.errors import UserError
@@ -47,8 +47,9 @@ def test_weights_scale_each_tokens_policy_loss():
 def first_step(path, shift: float | None = None):
     """One PPO step of ``path``; with ``shift``, the engine's log-probs are moved by ``shift`` (a known mismatch)."""
     c = parse_ppo_config([path])
-    with placed_roles(c) as roles:
-        trainer = build_ppo(c, load_prompts(c), roles)
+    run = PPOContext.load(c)
+    with placed_roles(c, run) as roles:
+        trainer = build_ppo(c, load_prompts(c, run), roles, run)
         if shift is not None:
             generate = trainer.actor.generate
 

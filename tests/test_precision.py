@@ -33,7 +33,7 @@ import torch
 
 from llm.alignment.dpo.trainer import DPOTrainer, collate_pairs
 from llm.alignment.lm import load_causal_lm, weights_dtype
-from llm.alignment.ppo.build import Place, build_actor, build_critic
+from llm.alignment.ppo.build import Place, PPOContext, build_actor, build_critic
 from llm.alignment.ppo.interfaces import PolicyBatch, ValueBatch
 from llm.alignment.ppo.offload import OffloadedTrainableRole
 from llm.alignment.ppo.optim import TrainableRole
@@ -394,7 +394,8 @@ def test_ppo_roles_bf16_close_to_fp32(tmp_path):
     out = {}
     for precision in ("fp32", "bf16"):
         c = parse_ppo_config([ppo_config(tmp_path, training={"bf16": precision == "bf16"})])
-        actor, critic = build_actor(c, Place()), build_critic(c, Place())
+        run = PPOContext.load(c)
+        actor, critic = build_actor(c, Place(), run), build_critic(c, Place(), run)
         logp, values = actor.log_probs(samples), critic.values(samples)
         if precision == "fp32":
             old_logp, old_values = logp, values

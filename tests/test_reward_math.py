@@ -32,6 +32,7 @@ def prm_records(n):
             prompt=[{"role": "user", "content": r["src"][0]}],
             steps=r["responses"],
             labels=r["labels"],
+            soft_labels=None,
             source="prm_train.jsonl",
             index=i,
         )

@@ -19,8 +19,9 @@ import time
 
 import pytest
 
+from llm.utils import run_files
 from llm.utils.errors import UserError, run_cli
-from llm.utils.rundir import LOCK_NAME, RunLock, check_output_dir
+from llm.utils.rundir import LOCK_NAME, RunLock, check_output_dir, files_of_another_origin
 from tests.helpers import ROOT
 from tests.test_ppo_run import config as ppo_config
 from tests.test_ppo_run import history
@@ -186,6 +187,7 @@ def test_another_runs_results_need_overwrite_or_resume(tmp_path, capsys):
     out = tmp_path / "out"
     (out / "checkpoint-60").mkdir(parents=True)
     (out / "model.safetensors").write_text("an older run's model")
+    run_files.record(str(out), ["model.safetensors"])  # an earlier run's final save wrote it
     with pytest.raises(SystemExit) as e:
         run_cli(sft_main, [sft_config(tmp_path)])
     err = capsys.readouterr().err
@@ -198,16 +200,158 @@ def test_another_runs_results_need_overwrite_or_resume(tmp_path, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"training.output_dir {out} already holds another run's results" in err, err
     assert "training.overwrite_output_dir true" in err
-    # Files that are no run's results do not count; overwrite_output_dir starts a new run and deletes nothing.
+    # A file no run wrote stops every run, even one told to overwrite (issue 26, item 6); a subdirectory is fine.
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
-    sft_main([sft_config(tmp_path, output_dir=str(other))])
-    assert (other / "model.safetensors").exists()
+    with pytest.raises(SystemExit) as e:
+        run_cli(sft_main, [sft_config(tmp_path, output_dir=str(other), overwrite_output_dir=True)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"output_dir {other} holds files that no run of this project wrote (notes.txt)" in err
+    assert os.listdir(other) == ["notes.txt"]
+    sft_main([sft_config(tmp_path, output_dir=str(other / "run"))])
+    assert (other / "run" / "model.safetensors").exists()
+    # overwrite_output_dir starts a new run over another run's results and deletes nothing
     sft_main([sft_config(tmp_path, overwrite_output_dir=True)])
     assert (out / "checkpoint-60").is_dir() and (out / "trainer_state.json").exists()
     ppo_main([ppo_config(tmp_path, training={"max_steps": 1, "overwrite_output_dir": True})])
     assert (out / "log_history.json").exists() and (out / "checkpoint-60").is_dir()
+
+
+# --- a directory holding a user's files (issue 26, item 6) -------------------------------------------------
+USERS_FILES = {"config.json": '{"my": "model"}', "tokenizer.json": '{"my": "tokenizer"}', "notes.txt": "mine"}
+
+
+def users_directory(tmp_path):
+    path = tmp_path / "my_model"
+    path.mkdir()
+    for name, text in USERS_FILES.items():
+        (path / name).write_text(text)
+    return path
+
+
+def untouched(path):
+    return {p.name: p.read_text() for p in path.iterdir()} == USERS_FILES
+
+
+@pytest.mark.parametrize("kind", ["sft", "orm", "dpo", "ppo"])
+def test_a_directory_of_the_users_files_is_refused_before_anything_is_built(tmp_path, capsys, monkeypatch, kind):
+    """An output_dir holding a user's config.json and tokenizer.json was accepted and the final save replaced them;
+    every entry point refuses it at start-up now, whatever resume / overwrite say, naming the files, and leaves the
+    directory as it was (not a lock, not a run_files.json)."""
+    import importlib
+
+    from llm.alignment import recipe
+    from llm.alignment.ppo import build
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(recipe.Recipe, "load_model", no_model)
+    monkeypatch.setattr(build, "build_ppo", no_model)
+    monkeypatch.chdir(ROOT)
+    users = users_directory(tmp_path)
+    script, _, _ = SCRIPTS[kind]
+    main = importlib.import_module(f"llm.{script[:-3]}").main
+    field = "training." if kind == "ppo" else ""
+    for extra in ([], [f"--{field}overwrite_output_dir", "true", f"--{field}resume_from_checkpoint", "auto"]):
+        with pytest.raises(SystemExit) as e:
+            run_cli(main, command(kind, users, *extra)[2:])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "Traceback" not in err, err[-3000:]
+        assert (
+            f"{field}output_dir {users} holds files that no run of this project wrote (config.json, notes.txt, "
+            "tokenizer.json); a run writes its model, tokenizer, config and results there and would replace files "
+            f"of the same names. Choose an empty or new directory, or a subdirectory such as {users / 'run'}"
+        ) in err, err[-3000:]
+        assert untouched(users)
+
+
+def test_run_pipeline_and_convert_gguf_refuse_a_directory_of_the_users_files(tmp_path):
+    from llm.run_pipeline import main as pipeline
+    from llm.utils.gguf import MARKER, check_replaceable, convert
+
+    users = users_directory(tmp_path)
+    with pytest.raises(UserError, match=r"holds files that no run of this project wrote \(config.json, notes.txt, "):
+        pipeline(["--output_dir", str(users), "--overwrite"])
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"GGUF")  # never read: the directory is refused first
+    with pytest.raises(UserError, match=r"holds files that no GGUF conversion wrote \(config.json, notes.txt, "):
+        convert(str(fake), str(users), force=True)
+    assert untouched(users)
+    # an earlier conversion may be replaced, unless a file it did not write was put there
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    (converted / "model.safetensors").write_text("weights")
+    (converted / MARKER).write_text(json.dumps({"format": 1, "files": ["model.safetensors"]}))
+    check_replaceable(str(converted))
+    (converted / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match=r"no GGUF conversion wrote \(notes.txt\)"):
+        check_replaceable(str(converted))
+
+
+def test_what_counts_as_a_runs_own_files(tmp_path):
+    """run_files.json lists what runs wrote; a run's own kinds count whatever it lists; a run directory written
+    before run_files.json existed is known by its checkpoints' markers or its final_model.json."""
+    from llm.utils.checkpoints import FINAL_MARKER, MARKER
+
+    assert files_of_another_origin(str(tmp_path / "missing")) == []
+    out = tmp_path / "run"
+    out.mkdir()
+    for name in ("config.json", "model.safetensors", "eval_results.json", "final_model.json.tmp42", LOCK_NAME):
+        (out / name).write_text("x")
+    for name in ("checkpoint-3", "checkpoint-4.partial", "final.partial", "runs"):
+        (out / name).mkdir()
+    # not a run directory (no run_files.json): only a run's own kinds are a run's (checkpoint-3, saves, the lock)
+    expected = ["config.json", "eval_results.json", "final_model.json.tmp42", "model.safetensors", "runs"]
+    assert files_of_another_origin(str(out)) == expected
+    run_files.record(str(out), ["config.json", "model.safetensors"])
+    assert files_of_another_origin(str(out)) == []  # eval_results.json, runs/, ...: a run directory's results
+    (out / "tokenizer.json").write_text("the user's, put there later")
+    assert files_of_another_origin(str(out)) == ["tokenizer.json"]
+    (out / "sub").mkdir()  # a user's folder; one that is itself a run directory is a run's (run_pipeline's stages)
+    assert files_of_another_origin(str(out)) == ["sub", "tokenizer.json"]
+    run_files.record(str(out / "sub"), [])
+    assert files_of_another_origin(str(out)) == ["tokenizer.json"]
+    (out / run_files.RUN_FILES).write_text(json.dumps({"names": ["tokenizer.json"]}))  # not written by a run
+    assert "tokenizer.json" in files_of_another_origin(str(out)) and "run_files.json" in files_of_another_origin(
+        str(out)
+    )
+    old = tmp_path / "old_run"  # before run_files.json: a checkpoint's marker and final_model.json say it
+    (old / "checkpoint-2").mkdir(parents=True)
+    (old / "checkpoint-2" / MARKER).write_text("{}")
+    (old / "all_results.json").write_text("{}")
+    assert files_of_another_origin(str(old)) == []
+    (old / "model.safetensors").write_text("x")
+    assert files_of_another_origin(str(old)) == ["model.safetensors"]
+    (old / FINAL_MARKER).write_text(json.dumps({"step": 2, "files": ["model.safetensors"]}))
+    assert files_of_another_origin(str(old)) == []
+
+
+def test_a_final_save_lists_what_it_moves_in_before_moving_it(tmp_path, monkeypatch):
+    """finish_final adds the names to run_files.json first: a save killed between the two leaves no file that the
+    next run would take for someone else's."""
+    from llm.utils import checkpoints
+
+    out = tmp_path / "out"
+    staging = checkpoints.begin_final(str(out), is_main=True)
+    for name in ("model.safetensors", "config.json"):
+        open(os.path.join(staging, name), "w").close()
+
+    replace = os.replace
+
+    def killed(src, dst):  # the first move out of the staging directory: killed
+        if checkpoints.FINAL_STAGING in str(src):
+            raise KeyboardInterrupt
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoints.finish_final(str(out), 3)
+    assert run_files.recorded(str(out)) == {"config.json", "model.safetensors"}
+    monkeypatch.undo()
+    (staging_file := out / checkpoints.FINAL_STAGING / "config.json").rename(out / "config.json")  # half moved
+    assert not staging_file.exists() and files_of_another_origin(str(out)) == []
 
 
 def comparable(log):

@@ -43,13 +43,13 @@ def test_results_are_printed_once_at_the_end(tmp_path, caplog):
         is_world_process_zero=lambda: True,
     )
     with caplog.at_level(logging.INFO, logger="llm.alignment.runner"):
-        train_and_evaluate(trainer, DataArgument(), args, [])
+        train_and_evaluate(trainer, DataArgument(), args)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("results (")]
     assert lines == [f"results ({tmp_path}/all_results.json): eval_accuracy 0.75, eval_loss 0.5"]
     not_main = types.SimpleNamespace(**{**vars(trainer), "is_world_process_zero": lambda: False})
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="llm.alignment.runner"):
-        train_and_evaluate(not_main, DataArgument(), args, [])
+        train_and_evaluate(not_main, DataArgument(), args)
     assert not [r for r in caplog.records if r.getMessage().startswith("results (")]
 
 
@@ -77,6 +77,7 @@ def test_no_initialised_randomly_line_before_a_resume(caplog):
 
 def test_the_recipe_marks_a_resuming_build(tmp_path, monkeypatch):
     from llm.alignment import recipe as recipe_module
+    from llm.alignment.context import RunContext
     from llm.alignment.sft.build import build_sft_trainer
     from llm.settings.load import parse_arguments
     from tests.helpers import ROOT
@@ -94,7 +95,7 @@ def test_the_recipe_marks_a_resuming_build(tmp_path, monkeypatch):
             ["llm/config/tiny/sft_argument.json", "--output_dir", str(tmp_path), "--resume_from_checkpoint", resume]
         )
         try:
-            build_sft_trainer(*args)
+            build_sft_trainer(RunContext.load(*args))
         except RuntimeError:
             pass
     assert seen == [False, True]

@@ -560,6 +560,7 @@ def test_best_model_by_loss_with_a_dev_split_without_loss_items_stops_before_tra
 def test_best_model_check_counts_loss_items_of_the_packed_dev_rows(tmp_path):
     """The start-up check and the guard at each evaluation, on a built trainer: a dev split with one labelled
     record among the candidates passes; an evaluation without the metric is one UserError, not a KeyError."""
+    from llm.alignment.context import RunContext
     from llm.alignment.rm.build import build_reward_trainer
     from llm.settings.flat import validate_arguments
     from llm.settings.load import parse_arguments
@@ -577,7 +578,7 @@ def test_best_model_check_counts_loss_items_of_the_packed_dev_rows(tmp_path):
         cfg = config(tmp_path, dev_dataset_path=str(dev), do_train=False, metric_for_best_model="loss")
         args = parse_arguments([cfg], REWARD_ARGUMENT_TYPES)
         validate_arguments(*args)
-        return build_reward_trainer(*args)[0]
+        return build_reward_trainer(RunContext.load(*args))[0]
 
     trainer = trainer_for(cands)
     assert trainer.eval_has_loss_items() is False

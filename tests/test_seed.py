@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llm.alignment.ppo.build import Place, build_critic
+from llm.alignment.ppo.build import Place, PPOContext, build_critic
 from llm.run_reward import main
 from llm.settings.load import parse_ppo_config
 from tests.helpers import tiny_model
@@ -66,7 +66,7 @@ def test_ppo_critic_from_a_causal_lm_checkpoint_is_reproducible(tmp_path, causal
             ]
         )
         torch.manual_seed(rng)
-        return build_critic(c, Place()).model
+        return build_critic(c, Place(), PPOContext.load(c)).model
 
     a, b, other = critic(42, 0), critic(42, 1), critic(7, 0)
     assert torch.equal(a.score.weight, b.score.weight)

@@ -3,7 +3,10 @@ gives in-process; health, limits and bad requests."""
 
 import http.client
 import json
+import logging
 import os
+import socket
+import struct
 import threading
 
 import pytest
@@ -42,26 +45,33 @@ def reward_config(tmp_path, model_dir, process_reward: bool) -> str:
     return str(path)
 
 
+def built(tmp_path, process_reward: bool, **serve):
+    """A server as serve_reward.py makes it: listening, not yet serving."""
+    model_dir = save_model(tmp_path / f"rm_{process_reward}", process_reward)
+    flags = [x for k, v in serve.items() for x in (f"--{k}", str(v))]
+    model_args, data_args, training_args, serve_args = parse_arguments(
+        [reward_config(tmp_path, model_dir, process_reward), "--port", "0", *flags],
+        (*REWARD_ARGUMENT_TYPES, ServeArgument),
+    )
+    scorer = build_scorer(model_args, training_args, serve_args, data_args.max_seq_len)  # as serve_reward.py
+    return make_server(scorer, serve_args), model_dir
+
+
 @pytest.fixture
 def running(tmp_path):
     servers = []
 
-    def start(process_reward: bool, **serve):
-        model_dir = save_model(tmp_path / f"rm_{process_reward}", process_reward)
-        flags = [x for k, v in serve.items() for x in (f"--{k}", str(v))]
-        model_args, data_args, training_args, serve_args = parse_arguments(
-            [reward_config(tmp_path, model_dir, process_reward), "--port", "0", *flags],
-            (*REWARD_ARGUMENT_TYPES, ServeArgument),
-        )
-        scorer = build_scorer(model_args, training_args, serve_args, data_args.max_seq_len)  # as serve_reward.py
-        server = make_server(scorer, serve_args)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
+    def start(process_reward: bool, serving: bool = True, **serve):
+        server, model_dir = built(tmp_path, process_reward, **serve)
+        if serving:
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append((server, serving))
         return server, model_dir
 
     yield start
-    for server in servers:
-        server.shutdown()
+    for server, serving in servers:
+        if serving:
+            server.shutdown()
         server.server_close()
 
 
@@ -234,3 +244,127 @@ def test_sigterm_while_scoring_waits_for_the_request_then_stops(tmp_path):
     err = "".join(lines) + rest
     assert "terminate called" not in err and proc.returncode == 0, err[-3000:]
     assert answers == [200], (answers, time.monotonic() - started)
+
+
+# --- many clients, and clients that go away (issue 26, item 6) ----------------------------------------------
+SCORE_BODY = json.dumps({"prompts": ["1 + 1 ="], "responses": ["2"]}).encode()
+
+
+def test_64_clients_connecting_at_once_are_all_answered(running):
+    """socketserver's listen backlog is 5: while the server was busy, the 7th client connecting at once waited for
+    its SYN to be retried, or was reset (1.1% of requests of 50 clients). All 64 connect here before the server
+    accepts any (with a backlog of 5 the 7th connect times out), then each is answered with the same score."""
+    server, _ = running(False, serving=False)
+    assert server.request_queue_size == 128  # ServeArgument.listen_backlog's default
+    port = server.server_address[1]
+    conns = []
+    for _ in range(64):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.connect()  # completes in the kernel's accept queue: nothing accepts yet
+        conns.append(conn)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    scores = []
+    for conn in conns:
+        conn.request("POST", "/", body=SCORE_BODY, headers={"Content-Length": str(len(SCORE_BODY))})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        scores.append(json.loads(resp.read())["scores"])
+        conn.close()
+    assert len(scores) == 64 and all(s == scores[0] for s in scores) and len(scores[0]) == 1
+    server.shutdown()
+
+
+def raw_post(port: int, declared: int, sent: bytes):
+    """A socket that sent a POST's headers declaring ``declared`` body bytes, then ``sent``."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    head = f"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: {declared}\r\n\r\n".encode()
+    sock.sendall(head + sent)
+    return sock
+
+
+def lines_about(caplog, sock_name, wait=30.0):
+    """The serve module's log lines naming the client ``sock_name`` (host, port), once there is one."""
+    import time
+
+    client = f"{sock_name[0]}:{sock_name[1]}"
+    deadline = time.monotonic() + wait
+    while True:
+        found = [r for r in caplog.records if r.name == "llm.alignment.rm.serve" and client in r.getMessage()]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+def test_a_body_cut_short_is_said_to_end_not_to_time_out(running, caplog, capfd):
+    """A client that closes its side after 10 of the 100 body bytes it announced: the end of the input used to be
+    taken for a timeout (408 "took over request_timeout"); it is a 400 saying the body ended, in one log line."""
+    caplog.set_level(logging.INFO, logger="llm.alignment.rm.serve")
+    server, _ = running(False)
+    sock = raw_post(server.server_address[1], 100, b'{"prompts":')  # 11 bytes
+    name = sock.getsockname()
+    sock.shutdown(socket.SHUT_WR)  # end of input; the answer can still be read
+    answer = b""
+    while chunk := sock.recv(65536):
+        answer += chunk
+    sock.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), answer
+    assert "the body ended after 11 of its 100 bytes" in json.loads(body)["error"]
+    found = lines_about(caplog, name)
+    assert len(found) == 1 and "400: the body ended after 11 of its 100 bytes" in found[0].getMessage()
+    assert request(server, "GET", "/health")[0] == 200
+    assert "Traceback" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["while sending its body", "before its answer (200) was sent"])
+def test_a_client_hanging_up_is_one_log_line_and_the_server_serves_on(running, caplog, capfd, monkeypatch, where):
+    """A client that resets the connection while sending its body, or after sending its request and before reading
+    the answer, left a ConnectionResetError / BrokenPipeError traceback in the server's log; now one line."""
+    from llm.alignment.rm import serve
+
+    caplog.set_level(logging.INFO, logger="llm.alignment.rm.serve")
+    scoring, hung_up = threading.Event(), threading.Event()
+    score = serve.RewardScorer.score
+
+    def held_score(self, *request):  # the answer waits until the client has gone
+        scoring.set()
+        assert hung_up.wait(30)
+        return score(self, *request)
+
+    monkeypatch.setattr(serve.RewardScorer, "score", held_score)
+    server, _ = running(False)
+    if where == "while sending its body":
+        reading = threading.Event()
+        read = server.RequestHandlerClass._read
+
+        def watched_read(self, n):
+            reading.set()
+            return read(self, n)
+
+        monkeypatch.setattr(server.RequestHandlerClass, "_read", watched_read)
+        sock = raw_post(server.server_address[1], 100, b'{"prompts"')
+        assert reading.wait(30)  # the headers (and the 10 body bytes sent with them) arrived
+    else:
+        sock = raw_post(server.server_address[1], len(SCORE_BODY), SCORE_BODY)
+        assert scoring.wait(30)  # the whole body was read
+    name = sock.getsockname()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()  # with linger 0: a reset, not an orderly close
+    hung_up.set()
+    found = lines_about(caplog, name)
+    assert len(found) == 1 and f"the client hung up {where}" in found[0].getMessage(), [r.getMessage() for r in found]
+    assert found[0].exc_info is None
+    assert request(server, "GET", "/health")[0] == 200  # still serving
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err[-3000:]
+
+
+def test_listen_backlog_is_a_checked_setting(tmp_path):
+    from llm.utils.errors import UserError
+
+    assert ServeArgument(listen_backlog=512).listen_backlog == 512
+    with pytest.raises(UserError, match="listen_backlog"):
+        parse_arguments(
+            [reward_config(tmp_path, TINY_TOKENIZER, False), "--listen_backlog", "0"],
+            (*REWARD_ARGUMENT_TYPES, ServeArgument),
+        )

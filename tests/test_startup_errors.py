@@ -12,6 +12,7 @@ import pytest
 from llm.settings.flat import validate_arguments
 from llm.settings.load import parse_arguments, parse_ppo_config
 from llm.settings.reward import REWARD_ARGUMENT_TYPES
+from llm.utils import run_files
 from llm.utils.errors import UserError
 from tests.helpers import ROOT
 
@@ -85,5 +86,6 @@ def test_run_pipeline_again_names_its_own_option(tmp_path):
     from llm.run_pipeline import main as pipeline
 
     (tmp_path / "sft").mkdir()
+    run_files.record(str(tmp_path / "sft"), ["model.safetensors"])  # the earlier pipeline's SFT stage wrote it
     with pytest.raises(UserError, match=r"holds an earlier pipeline run \(sft\): add --overwrite"):
         pipeline(["--output_dir", str(tmp_path)])

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from llm.alignment.ppo import generation
-from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
+from llm.alignment.ppo.build import PPOContext, build_ppo, load_prompts, placed_roles
 from llm.alignment.ppo.interfaces import RoleFailure, Samples
 from llm.alignment.ppo.roles import PolicyModel
 from llm.run_ppo import main
@@ -178,10 +178,11 @@ def test_a_stuck_or_failing_sync_is_a_role_failure(engine, monkeypatch):
 
 def run_steps(path, steps, check_greedy=False):
     c = parse_ppo_config([path])
-    prompts = load_prompts(c)
+    run = PPOContext.load(c)
+    prompts = load_prompts(c, run)
     metrics = []
-    with placed_roles(c) as roles:
-        trainer = build_ppo(c, prompts, roles)
+    with placed_roles(c, run) as roles:
+        trainer = build_ppo(c, prompts, roles, run)
         for _ in range(steps):
             if check_greedy:  # what the engine generates equals HF greedy on the actor's current weights
                 batch = [prompts[i].ids for i in trainer.prompt_indices(trainer.step)]

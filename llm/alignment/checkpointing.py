@@ -31,6 +31,7 @@ class CheckpointMixin:
     """Atomic, pickle-free checkpoints for a ``transformers.Trainer`` subclass (see the module docstring)."""
 
     model_args = None  # the run's ModelArgument (``lora_merge``), set by the trainer
+    run = None  # the run's RunContext (llm.alignment.context), set by the trainer
     _save_training_state = True  # optimizer, scheduler and RNG state in checkpoints (not save_only_model)
 
     @property
@@ -54,11 +55,14 @@ class CheckpointMixin:
 
     @property
     def run_fingerprint(self):
-        """``llm.settings.fingerprint.training_fingerprint`` of this run (computed once), stored in every checkpoint."""
+        """The run's fingerprint (``RunContext.fingerprint``, computed once), stored in every checkpoint; a trainer
+        built without a run: its training arguments' alone."""
+        if self.run is not None:
+            return self.run.fingerprint
         if getattr(self, "_run_fingerprint", None) is None:
-            from llm.settings.fingerprint import training_fingerprint
+            from llm.settings.fingerprint import run_fingerprint
 
-            self._run_fingerprint = training_fingerprint(self.args)
+            self._run_fingerprint = run_fingerprint(self.args)
         return self._run_fingerprint
 
     def _checkpoint_barrier(self) -> None:
@@ -73,7 +77,14 @@ class CheckpointMixin:
         from transformers.trainer_callback import ExportableState
         from transformers.trainer_utils import SaveStrategy
 
-        from llm.utils.checkpoints import begin_checkpoint, finish_checkpoint, rotate_checkpoints, save_tree
+        from llm.utils.checkpoints import (
+            begin_checkpoint,
+            finish_checkpoint,
+            partial_dir,
+            rotate_checkpoints,
+            save_tree,
+        )
+        from llm.utils.disk_full import saving
 
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
@@ -81,31 +92,35 @@ class CheckpointMixin:
         final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         main = self.args.should_save
         fingerprint = self.run_fingerprint
-        partial = begin_checkpoint(final, main)
-        self._checkpoint_barrier()
-        self.save_model(partial, _internal_call=True)
-        if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and (
-            self.state.best_global_step
-        ):
-            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
-            if best == final or os.path.isdir(best):
-                self.state.best_model_checkpoint = best
-        if self._save_training_state:
-            save_sharded_state(os.path.join(partial, SHARDED_STATE_DIR), self.model, self._raw_optimizer())
+        # a full disk: the unfinished checkpoint-N.partial removed, one message naming the last complete checkpoint
+        with saving(run_dir, partial_dir(final), os.path.basename(final), main):
+            partial = begin_checkpoint(final, main)
+            self._checkpoint_barrier()
+            self.save_model(partial, _internal_call=True)
+            if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and (
+                self.state.best_global_step
+            ):
+                best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+                if best == final or os.path.isdir(best):
+                    self.state.best_model_checkpoint = best
+            if self._save_training_state:
+                save_sharded_state(os.path.join(partial, SHARDED_STATE_DIR), self.model, self._raw_optimizer())
+                if main:
+                    save_tree(partial, "scheduler", self.lr_scheduler.state_dict())
+                self._save_rng_state(partial)
             if main:
-                save_tree(partial, "scheduler", self.lr_scheduler.state_dict())
-            self._save_rng_state(partial)
-        if main:
-            for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
-                name, cb_state = cb.__class__.__name__, cb.state()
-                if isinstance(self.state.stateful_callbacks[name], list):
-                    self.state.stateful_callbacks[name].append(cb_state)
-                else:
-                    self.state.stateful_callbacks[name] = cb_state
-            self.state.save_to_json(os.path.join(partial, TRAINER_STATE_NAME))
-        self._checkpoint_barrier()  # every rank's files are in partial/
-        if main:
-            finish_checkpoint(partial, final, self.state.global_step, fingerprint)
+                for cb in [
+                    c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)
+                ]:
+                    name, cb_state = cb.__class__.__name__, cb.state()
+                    if isinstance(self.state.stateful_callbacks[name], list):
+                        self.state.stateful_callbacks[name].append(cb_state)
+                    else:
+                        self.state.stateful_callbacks[name] = cb_state
+                self.state.save_to_json(os.path.join(partial, TRAINER_STATE_NAME))
+            self._checkpoint_barrier()  # every rank's files are in partial/
+            if main:
+                finish_checkpoint(partial, final, self.state.global_step, fingerprint)
         self._checkpoint_barrier()  # no rank goes on before checkpoint-N is in place
         if self.args.push_to_hub:
             self._push_from_checkpoint(final)

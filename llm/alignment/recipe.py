@@ -2,16 +2,17 @@
 
 A ``Recipe`` holds what differs per task: which trainer class, which model loader, which reader and encoder
 (``read_split``), which collator, which LoRA task, and the task's extra checks and objects. ``build_trainer``
-runs the sequence they share:
+runs the sequence they share, over the run's ``RunContext`` (``llm.alignment.context``: the arguments as
+validated, the tokenizer loaded once, the effective ``use_chat_template``; nothing is written back into the
+arguments):
 
-1. the recipe's checks (``check``: LoRA arguments and the task's own);
-2. the tokenizer, and the effective ``use_chat_template`` (written back to ``data_args``: the encoders and the
-   run fingerprint read it); the recipe's changes to the tokenizer (a PRM's added placeholder);
+1. the recipe's checks (``check``: the task's own; ``validate_arguments`` made the shared ones, LoRA's included);
+2. the recipe's changes to the tokenizer (a PRM's added placeholder);
 3. the model (``load_model``), then LoRA adapters when ``lora`` is set;
 4. the objects built from the model (``model_objects``: DPO's reference);
-5. the training and dev splits (``llm.data.prepare.train_and_dev`` over ``read_split``), their checks and the
-   objects built from them (``data_objects``: a reward model's dev records);
-6. the trainer: ``trainer_class(model, args=training_args, model_args=model_args, ...)``, reading its
+5. the training and dev splits (``llm.data.prepare.train_and_dev`` over ``read_split``, told which split it reads),
+   their checks and the objects built from them (``data_objects``: a reward model's dev records);
+6. the trainer: ``trainer_class(model, args=training_args, model_args=model_args, run=run, ...)``, reading its
    hyper-parameters from those arguments; then ``finish`` (DPO's precomputed reference log-probs).
 """
 
@@ -23,15 +24,15 @@ from collections.abc import Callable
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from llm.alignment.context import RunContext
 from llm.alignment.lm import load_causal_lm
 from llm.alignment.trainer import AlignmentTrainer
-from llm.data.encoding import resolve_chat_template
 from llm.data.packing import collate
-from llm.data.prepare import PackedData, plan_summary, train_and_dev
-from llm.settings.flat import DataArgument, ModelArgument, TrainingArguments, recompute_mode
+from llm.data.prepare import PackedData, Split, plan_summary, train_and_dev
+from llm.settings.flat import recompute_mode
 from llm.utils.attention import kernel_for
-from llm.utils.lora import apply_lora, check_lora_arguments, quantization_config
-from llm.utils.modeling import RESUMING, count_parameters, load_tokenizer
+from llm.utils.lora import apply_lora, quantization_config
+from llm.utils.modeling import RESUMING, count_parameters
 from llm.utils.preemption import SaveOnSignal
 
 logger = logging.getLogger(__name__)
@@ -46,12 +47,13 @@ class Recipe:
     collate: Callable = staticmethod(collate)  # rows -> batch, with pad_token_id and kernel
     lora_task = "causal_lm"  # llm.utils.lora.apply_lora's task: causal_lm or seq_cls
 
-    def __init__(self, model_args: ModelArgument, data_args: DataArgument, training_args: TrainingArguments) -> None:
-        self.model_args, self.data_args, self.training_args = model_args, data_args, training_args
+    def __init__(self, run: RunContext) -> None:
+        self.run = run
+        self.model_args, self.data_args, self.training_args = run.model_args, run.data_args, run.training_args
 
     def check(self) -> None:
-        """Stops a run whose arguments do not fit together, before anything is loaded."""
-        check_lora_arguments(self.model_args, self.training_args)
+        """Stops a run whose arguments do not fit together, before anything is loaded (the task's own checks;
+        ``validate_arguments`` made the shared ones)."""
 
     def prepare_tokenizer(self, tokenizer: PreTrainedTokenizerBase) -> None:
         """Changes to the tokenizer before the model is loaded (none by default)."""
@@ -79,13 +81,14 @@ class Recipe:
     def read_split(
         self,
         path: str,
-        tokenizer: PreTrainedTokenizerBase,
+        split: Split,
         batch_size: int,
         probs: str | None = None,
         lazy: bool = False,
         max_records: int | None = None,
     ) -> PackedData:
-        """One split read, validated, tokenised and packed (``lazy``: streamed; ``max_records``: the first ones)."""
+        """One split (``split``: "train" or "eval") read, validated, tokenised with ``self.run.tokenizer`` and packed
+        (``lazy``: streamed; ``max_records``: the first ones)."""
         raise NotImplementedError
 
     def data_objects(self, train: PackedData | None, dev: PackedData | None) -> dict:
@@ -98,11 +101,9 @@ class Recipe:
 
 def build_trainer(recipe: Recipe) -> tuple[AlignmentTrainer, PackedData | None, PackedData | None]:
     """The trainer of ``recipe``, with its training and dev splits (None when not read)."""
-    model_args, data_args, training_args = recipe.model_args, recipe.data_args, recipe.training_args
+    run = recipe.run
+    model_args, data_args, training_args, tokenizer = run.model_args, run.data_args, run.training_args, run.tokenizer
     recipe.check()
-    tokenizer = load_tokenizer(model_args.tokenizer_name_or_path or model_args.model_name_or_path)
-    # the effective choice, for the encoders and the run fingerprint (which reads data_args)
-    data_args.use_chat_template = resolve_chat_template(data_args.use_chat_template, tokenizer)
     recipe.prepare_tokenizer(tokenizer)
     resume = str(training_args.resume_from_checkpoint or "").lower() not in ("", "false", "none")
     token = RESUMING.set(resume and training_args.do_train)
@@ -113,7 +114,7 @@ def build_trainer(recipe: Recipe) -> tuple[AlignmentTrainer, PackedData | None, 
     if model_args.lora:
         model = apply_lora(model, model_args, recipe.lora_task, recipe.lora_head_rows())
     objects = recipe.model_objects(model, tokenizer)
-    train, dev = train_and_dev(data_args, training_args, functools.partial(recipe.read_split, tokenizer=tokenizer))
+    train, dev = train_and_dev(data_args, training_args, recipe.read_split)
     objects.update(recipe.data_objects(train, dev))
     logger.info(
         "%s %s: %.2fM parameters; %s",
@@ -126,6 +127,7 @@ def build_trainer(recipe: Recipe) -> tuple[AlignmentTrainer, PackedData | None, 
         model=model,
         args=training_args,
         model_args=model_args,
+        run=run,
         train_dataset=train.rows if train else None,
         eval_dataset=dev.rows if dev else None,
         data_collator=functools.partial(

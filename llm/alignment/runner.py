@@ -6,11 +6,12 @@ import json
 import logging
 import os
 
-from llm.data.prepare import overlong_results
-from llm.settings.fingerprint import training_fingerprint
+from llm.alignment.context import RunContext
+from llm.data.prepare import PackedData, overlong_results
 from llm.settings.flat import DataArgument, TrainingArguments
 from llm.utils import preemption
-from llm.utils.checkpoints import begin_final, final_model_complete, finish_final, latest_checkpoint
+from llm.utils.checkpoints import FINAL_STAGING, begin_final, final_model_complete, finish_final, latest_checkpoint
+from llm.utils.disk_full import saving
 from llm.utils.distributed import barrier
 from llm.utils.rundir import run_guard
 
@@ -19,15 +20,18 @@ logger = logging.getLogger(__name__)
 TRAINER_STATE_NAME = "trainer_state.json"  # transformers.trainer's name for it (not imported: a heavy module)
 
 
-def resume_checkpoint(training_args: TrainingArguments) -> str | None:
+def resume_checkpoint(trainer, training_args: TrainingArguments) -> str | None:
+    """The checkpoint to resume (None: a fresh start), matched against the trainer's run fingerprint (computed here
+    only when resuming, and kept for the checkpoints)."""
     value = training_args.resume_from_checkpoint
-    fingerprint = training_fingerprint(training_args) if value else None
+    fingerprint = trainer.run_fingerprint if value else None
     return latest_checkpoint(value, training_args.output_dir, fingerprint)
 
 
-def output_dir_guard(data_args: DataArgument, training_args: TrainingArguments):
+def output_dir_guard(run: RunContext):
     """The block a flat script builds and trains in (``llm.utils.rundir.run_guard``): SIGTERM handled from here
     on, ``output_dir`` writable and locked for this run, and not another run's unless resuming or overwriting."""
+    data_args, training_args = run.data_args, run.training_args
     writes_model = training_args.do_train and not (data_args.benchmark or data_args.autotuner_benchmark)
     return run_guard(
         training_args.output_dir,
@@ -35,7 +39,7 @@ def output_dir_guard(data_args: DataArgument, training_args: TrainingArguments):
         overwrite=training_args.overwrite_output_dir,
         trains=writes_model,
         # compared across the processes of a torchrun: one process has nothing to compare, so no data hashing
-        config=run_settings(data_args, training_args) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
+        config=run_settings(run) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
     )
 
 
@@ -58,11 +62,11 @@ RUN_SHAPE = (
 )
 
 
-def run_settings(data_args: DataArgument, training_args: TrainingArguments) -> dict:
+def run_settings(run: RunContext) -> dict:
     """What every process of a run must have alike: the fingerprint's values and the run's shape."""
-    values = dict(training_fingerprint(training_args).values)
-    values.update({name: str(getattr(training_args, name, None)) for name in RUN_SHAPE})
-    values["dev_dataset_path"] = data_args.dev_dataset_path
+    values = dict(run.fingerprint.values)
+    values.update({name: str(getattr(run.training_args, name, None)) for name in RUN_SHAPE})
+    values["dev_dataset_path"] = run.data_args.dev_dataset_path
     return values
 
 
@@ -70,16 +74,18 @@ def save_final_model(trainer, out: str) -> None:
     """The model, tokenizer and trainer state into ``out``, never written in place: every rank saves into
     ``out/final.partial``, then the main process moves the files in and writes ``final_model.json`` last
     (``llm.utils.checkpoints.begin_final``). A save stopped half-way leaves the previous files whole, and a
-    resumed run that finds no complete final model saves it again."""
+    resumed run that finds no complete final model saves it again; a full disk removes the staging directory and
+    is one message (``llm.utils.disk_full``)."""
     main = trainer.is_world_process_zero()
-    staging = begin_final(out, main)
-    barrier()
-    trainer.save_model(staging)
-    if main:
-        trainer.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
-    barrier()
-    if main:
-        finish_final(out, trainer.state.global_step)
+    with saving(out, os.path.join(out, FINAL_STAGING), "the final model", main):  # a full disk: one message
+        staging = begin_final(out, main)
+        barrier()
+        trainer.save_model(staging)
+        if main:
+            trainer.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
+        barrier()
+        if main:
+            finish_final(out, trainer.state.global_step)
 
 
 def write_json(path: str, data: dict) -> None:
@@ -94,17 +100,25 @@ def write_scores(path: str, examples: list[dict], records: list) -> None:
         for ex in examples:
             rec = records[ex["record"]]
             row = {"source": rec.source, "index": rec.index}
-            row.update({k: v for k, v in ex.items() if k != "record"})
+            row.update({k: v for k, v in ex.items() if k != "record" and not k.startswith("_")})  # _: the trainer's
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
-def train_and_evaluate(trainer, data_args: DataArgument, training_args: TrainingArguments, dev_records: list) -> dict:
+def train_and_evaluate(
+    trainer,
+    data_args: DataArgument,
+    training_args: TrainingArguments,
+    train: PackedData | None = None,
+    dev: PackedData | None = None,
+) -> dict:
     """``do_train``: train (resuming if asked), save model + state; ``do_eval``: metrics to ``eval_results.json``
-    and per-example outputs to ``eval_scores.jsonl``; everything to ``all_results.json``. Returns the results."""
+    and per-example outputs to ``eval_scores.jsonl`` (``dev``: the dev split the trainer evaluates, whose records
+    they name); everything to ``all_results.json``, with the records each split skipped as too long. Returns the
+    results."""
     out = training_args.output_dir
     results: dict = {}
     if training_args.do_train:
-        resumed = resume_checkpoint(training_args)
+        resumed = resume_checkpoint(trainer, training_args)
         result = trainer.train(resume_from_checkpoint=resumed)
         if trainer.stopped_by_signal:  # checkpoint saved: say so (Ctrl-C: exit 130 from here)
             step = trainer.state.global_step
@@ -129,9 +143,9 @@ def train_and_evaluate(trainer, data_args: DataArgument, training_args: Training
         results.update(metrics)
         if trainer.is_world_process_zero():
             write_json(os.path.join(out, "eval_results.json"), metrics)
-            write_scores(os.path.join(out, "eval_scores.jsonl"), examples, dev_records)
+            write_scores(os.path.join(out, "eval_scores.jsonl"), examples, dev.records if dev else [])
     if results:
-        results.update(overlong_results(data_args))  # records skipped as too long, per split
+        results.update(overlong_results(train, dev))  # records skipped as too long, per split
     if trainer.is_world_process_zero() and results:
         write_json(os.path.join(out, "all_results.json"), results)
         logger.info("results (%s): %s", os.path.join(out, "all_results.json"), summary_line(results))

@@ -30,6 +30,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from transformers import Trainer
 
 from llm.alignment.checkpointing import CheckpointMixin
+from llm.alignment.context import RunContext
 from llm.data.packing import PackedBatch
 from llm.settings.flat import ModelArgument
 from llm.utils.distributed import tensor_parallel_on_cpu
@@ -85,18 +86,17 @@ def gather_objects(obj: list) -> list:
 
 
 class AlignmentTrainer(CheckpointMixin, Trainer):
-    """``Trainer`` keywords, plus ``model_args``: the run's model arguments (``lora_merge``, a reward model's
-    ``reward_tokens``); None for a trainer built without them (tests), which reads their defaults."""
+    """``Trainer`` keywords, plus ``model_args``: the run's model arguments (``lora_merge``), and ``run``: the run's
+    ``RunContext`` (``llm.alignment.context``: the fingerprint its checkpoints hold); None for a trainer built
+    without them (tests), which reads their defaults and fingerprints its training arguments alone."""
 
-    def __init__(self, *args, model_args: ModelArgument | None = None, **kwargs) -> None:
+    def __init__(self, *args, model_args: ModelArgument | None = None, run: RunContext | None = None, **kwargs) -> None:
         training_args = kwargs["args"]
-        self.model_args = model_args
+        self.model_args, self.run = model_args, run
         self.layout = training_args.layout
         # Optimizer state, scheduler and RNG go into the sharded checkpoint written by CheckpointMixin._save_checkpoint,
-        # for every layout; transformers only saves the model (it refuses to checkpoint the optimizer of a model
-        # placed by DistributedConfig at all).
-        self._save_training_state = not training_args.save_only_model
-        training_args.save_only_model = True
+        # for every layout (transformers, told save_only_model, saves none: TrainingArguments.__post_init__).
+        self._save_training_state = training_args.save_training_state
         super().__init__(*args, **kwargs)
         logger.info("parallel layout: %s", self.layout.describe())
         # Our compute_loss already divides by the global item count of the whole optimizer step.

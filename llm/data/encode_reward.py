@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 from transformers import PreTrainedTokenizerBase
 
 from llm.data.encoding import EncodeConfig, OverlongCounter, fit_prompt, render_prompt, start_ids
@@ -55,6 +57,7 @@ def prm_response_ids(
 
 
 UNLABELLED = -1  # the readout target of a step without a label (ProcessBench after the first error, best-of-N)
+POSITIVE = 0  # the readout target of a step labelled with the positive reward token (1: the negative one)
 
 
 def encode_prm(
@@ -67,7 +70,8 @@ def encode_prm(
     record_index: int,
     counter: OverlongCounter,
 ) -> Example | None:
-    """One solution -> causal example with a readout at every placeholder (target 0 '+', 1 '-').
+    """One solution -> causal example with a readout at every placeholder (target 0 '+', 1 '-'; value: the step's
+    soft label, NaN where it has none).
 
     A record without a separate prompt (Math-Shepherd layouts, the question starts the first step) is
     ``[BOS] + ids(" ки\n".join(steps) + " ки")``, Math-Shepherd's ``tokenizer.encode(f"{question} {output}")``.
@@ -82,6 +86,7 @@ def encode_prm(
     response, marks = prm_response_ids(tokenizer, record.steps, placeholder, placeholder_id)
     # 0 = the positive token, 1 = the negative one, UNLABELLED (-1): scored, in no loss or step metric
     targets = [UNLABELLED if label is None else reward_tokens.index(label) for label in record.labels]
+    values = [math.nan if v is None else v for v in record.soft_labels] if record.soft_labels is not None else []
     status = "ok"
     if prompt is None:
         counter["skipped"] += 1
@@ -94,12 +99,15 @@ def encode_prm(
             return None
         last = keep[-1]
         response, marks, targets = response[: marks[last] + 1], marks[: last + 1], targets[: last + 1]
+        values = values[: last + 1]
         status = "truncated"
     elif len(prompt) < len(full_prompt):
         status = "truncated"
     counter[status] += 1
     offset = len(prompt)
-    return causal_example(prompt + response, [offset + m for m in marks], targets, record=record_index)
+    return causal_example(
+        prompt + response, [offset + m for m in marks], targets, record=record_index, readout_value=values
+    )
 
 
 def encode_pair_for_scores(

@@ -9,17 +9,20 @@ the example it belongs to. Meaning per algorithm:
 algorithm  readout_position         readout_target                        readout_part
 =========  =======================  ====================================  ====================
 PRM        each placeholder token   step label class (0 = '+', 1 = '-')   0
+           (``readout_value``: the step's soft label in [0, 1], NaN where it has none)
 ORM        last chosen / rejected   unused (0)                            0 chosen, 1 rejected
 LM (SFT,   token before a target    the target token id                   0 chosen, 1 rejected
 DPO)
 =========  =======================  ====================================  ====================
 
+``readout_value`` is a float per readout, NaN unless the algorithm uses it (a PRM trained on soft labels).
 Packing only offsets positions; readouts never cross an example (they stay inside its blocks).
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -38,6 +41,7 @@ class Example:
     readout_target: list[int] = field(default_factory=list)
     readout_part: list[int] = field(default_factory=list)
     record: int = -1  # index of the source record, for per-example outputs
+    readout_value: list[float] = field(default_factory=list)  # empty: NaN at every readout
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -49,6 +53,7 @@ def causal_example(
     readout_target: list[int],
     readout_part: list[int] | None = None,
     record: int = -1,
+    readout_value: list[float] | None = None,
 ) -> Example:
     """A single causal sequence (PRM solution, SFT conversation)."""
     n = len(input_ids)
@@ -60,6 +65,7 @@ def causal_example(
         readout_target=list(readout_target),
         readout_part=list(readout_part) if readout_part is not None else [0] * len(readout_position),
         record=record,
+        readout_value=list(readout_value or []),
     )
 
 
@@ -110,6 +116,7 @@ class PackedRow:
     readout_part: list[int]
     readout_example: list[int]  # index of the example within the row
     records: list[int]
+    readout_value: list[float] = field(default_factory=list)  # one per readout (NaN: none)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -164,6 +171,7 @@ def build_row(examples: Sequence[Example]) -> PackedRow:
         row.readout_target += ex.readout_target
         row.readout_part += ex.readout_part
         row.readout_example += [e_idx] * len(ex.readout_position)
+        row.readout_value += ex.readout_value or [math.nan] * len(ex.readout_position)
         row.records.append(ex.record)
     return row
 
@@ -218,6 +226,7 @@ class PackedBatch:
     readout_example: torch.Tensor  # (N,) example index within the batch
     records: torch.Tensor  # (E,) source record of each example
     num_real_tokens: int
+    readout_value: torch.Tensor | None = None  # (N,) float: a PRM step's soft label, NaN where none
 
     @property
     def num_examples(self) -> int:
@@ -245,7 +254,7 @@ def collate(
     n_rows = len(rows)
     input_ids = torch.full((n_rows, length), pad_token_id, dtype=torch.long)
     position_ids = torch.zeros((n_rows, length), dtype=torch.long)
-    index, target, part, example, records = [], [], [], [], []
+    index, target, part, example, records, value = [], [], [], [], [], []
     for r, row in enumerate(rows):
         input_ids[r, : len(row)] = torch.tensor(row.input_ids, dtype=torch.long)
         position_ids[r, : len(row)] = torch.tensor(row.position_ids, dtype=torch.long)
@@ -253,6 +262,7 @@ def collate(
         target += row.readout_target
         part += row.readout_part
         example += [len(records) + e for e in row.readout_example]
+        value += row.readout_value or [math.nan] * len(row.readout_position)
         records += row.records
     as_long = lambda x: torch.tensor(x, dtype=torch.long)
     return PackedBatch(
@@ -265,6 +275,7 @@ def collate(
         readout_example=as_long(example),
         records=as_long(records),
         num_real_tokens=sum(len(r) for r in rows),
+        readout_value=torch.tensor(value, dtype=torch.float32),
     )
 
 

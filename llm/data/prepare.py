@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from llm.data.encoding import OverlongCounter, encode_all
 from llm.data.packing import Example, PackedRow, PackStats, StreamedRows, pack
@@ -113,52 +114,43 @@ def load_packed(
     return PackedData(rows, records, stats, counter)
 
 
-def stream_per_rank(training_args: TrainingArguments) -> None:
-    """For ``lazy`` rows: by default accelerate reads an iterable data set on rank 0 only and broadcasts and
-    slices whole collated batches, which must be plain tensors; instead every rank reads the (deterministic)
-    stream and keeps its own share of the rows before collation."""
-    training_args.accelerator_config.dispatch_batches = False
-
-
-SplitBuilder = Callable[..., PackedData]  # build(path, batch_size=, probs=, lazy=, max_records=) -> PackedData
+Split = Literal["train", "eval"]  # which split a SplitBuilder reads: the training data or the dev data
+SplitBuilder = Callable[..., PackedData]  # build(path, split, batch_size=, probs=, lazy=, max_records=) -> PackedData
 
 
 def train_and_dev(
     data_args: DataArgument, training_args: TrainingArguments, build: SplitBuilder
 ) -> tuple[PackedData | None, PackedData | None]:
     """The training split (streamed when ``lazy``, mixed by ``dataset_probs``) when training, and the dev
-    split when evaluating; a missing path stops the run naming the field."""
+    split when evaluating, each built by ``build`` told which it is; a missing path stops the run naming the field."""
     train = dev = None
-    data_args.overlong = {}  # split -> PackedData.overlong, for the results file (overlong_results)
     if training_args.do_train:
         if not data_args.train_dataset_path:
             raise UserError("do_train is true but train_dataset_path is not set")
-        if data_args.lazy:
-            stream_per_rank(training_args)
         train = build(
             data_args.train_dataset_path,
+            "train",
             batch_size=training_args.per_device_train_batch_size,
             probs=data_args.dataset_probs,
             lazy=data_args.lazy,
         )
-        data_args.overlong["train"] = train.overlong
     if training_args.do_eval or training_args.eval_strategy != "no":
         if not data_args.dev_dataset_path:
             raise UserError("evaluation is on (do_eval or eval_strategy) but dev_dataset_path is not set")
         dev = build(
             data_args.dev_dataset_path,
+            "eval",
             batch_size=training_args.per_device_eval_batch_size,
             max_records=data_args.max_eval_samples,
         )
-        data_args.overlong["eval"] = dev.overlong
     return train, dev
 
 
-def overlong_results(data_args: DataArgument) -> dict[str, int]:
+def overlong_results(train: PackedData | None, dev: PackedData | None) -> dict[str, int]:
     """``train_overlong_skipped`` / ``eval_overlong_skipped``: records skipped as too long in each split read
     by ``train_and_dev`` (streamed: in one pass), for ``all_results.json``."""
-    counters = getattr(data_args, "overlong", None) or {}
-    return {f"{split}_overlong_skipped": c["skipped"] for split, c in counters.items() if c is not None}
+    splits = (("train", train), ("eval", dev))
+    return {f"{name}_overlong_skipped": d.overlong["skipped"] for name, d in splits if d and d.overlong is not None}
 
 
 def plan_summary(train: PackedData | None, data_args: DataArgument) -> str:

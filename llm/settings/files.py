@@ -3,7 +3,8 @@
 Three kinds of file: JSON (``.json``), YAML (``.yaml`` / ``.yml``, read as hydra reads MindSpeed-LLM's files:
 ``1e-7`` is a number, dates stay text, a key given twice is an error) and an OpenLLaMA2 / OpenRLHF launch
 script (``.sh``: its ``deepspeed train_x.py --flag value ...`` command, translated by
-``llm.settings.dialects.openrlhf``). A file is looked up from the working directory, then the repository
+``llm.settings.dialects.openrlhf``; over 1 MB refused unread). A FIFO, device or directory is refused before
+``open()`` could wait on it. A file is looked up from the working directory, then the repository
 root, so both ``python llm/run_x.py llm/config/...`` and ``cd llm && python run_x.py config/...`` find it.
 """
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 from llm.settings.yaml_files import load_yaml
 from llm.utils.errors import UserError
-from llm.utils.paths import nearest_hint, resolve_input_path, tried
+from llm.utils.paths import nearest_hint, read_text_file, resolve_input_path, tried
 
 JSON_EXTENSIONS = (".json",)
 LAUNCH_SCRIPT_EXTENSIONS = (".sh",)  # an OpenLLaMA2 / OpenRLHF launch script (dialects/openrlhf/)
@@ -46,11 +47,7 @@ def read_config_file(path: str, script: str, extensions: tuple[str, ...], usage:
     found = resolve_input_path(path)
     if found is None:
         raise UserError(f"{path}: no such file (looked in: {tried(path)}){nearest_hint(path)}")
-    try:
-        with open(found, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as err:
-        raise UserError(f"{path}: cannot read it ({err})") from None
+    text = read_text_file(found, path)  # a FIFO or device is refused before open() would wait on it
     if path.endswith(JSON_EXTENSIONS):
         try:
             raw = json.loads(text)

@@ -9,9 +9,17 @@ report_to, dataloader workers, the dev set) and how it is laid out over processe
 per-device batch and accumulation split of the same global batch, sharding, tensor parallelism, recompute,
 offload, the PPO resource pool), since a checkpoint resumes under any of those.
 
-``run_fingerprint(model_args, data_args, training_args)`` (the flat scripts) or ``run_fingerprint(ppo_config)``
-returns a ``Fingerprint``: ``digest`` (hex) and ``values`` (the readable dict it hashes);
-``differing_fields(a, b)`` names the fields two ``values`` dicts disagree on.
+``run_fingerprint(model_args, data_args, training_args, use_chat_template=...)`` (the flat scripts) or
+``run_fingerprint(ppo_config, use_chat_template=...)`` returns a ``Fingerprint``: ``digest`` (hex) and ``values``
+(the readable dict it hashes); ``differing_fields(a, b)`` names the fields two ``values`` dicts disagree on.
+``use_chat_template`` is the run's effective choice, which the build derives once from the tokenizer (its run
+record: ``llm.alignment.context.RunContext``, ``llm.alignment.ppo.context.PPOContext``); this module loads nothing.
+
+Fields added after checkpoints were written (``ADDED_LATER`` for PPO's ``section.field`` names,
+``FLAT_ADDED_LATER`` for the flat scripts' field names): at the value that gives the behaviour from before the
+field existed they are left out, so a config that does not set them keeps its fingerprint.
+``run_fingerprint(label_args)``: what ``llm/run_label.py``'s labels are made with (every field but how many
+problems, where and how fast), so a rerun resumes only labels of the same settings.
 """
 
 from __future__ import annotations
@@ -45,6 +53,12 @@ _EXCLUDED = {
     "autotuner_benchmark",
     "lora_merge",  # what is saved at the end, not what is trained
     "eval_random_init",  # evaluation only
+    # llm/run_label.py: how much and where it labels, not what a label is
+    "max_problems",
+    "completion_timeout",
+    "vllm_gpu_memory_utilization",
+    "ray_workers",
+    "ray_address",
 }
 
 # transformers.TrainingArguments fields that change what is trained (an allow-list: its many other fields
@@ -121,10 +135,11 @@ _PPO_EXCLUDED = {
     "resource_pool.*",
 }
 
-# PPO fields added after checkpoints of FINGERPRINT_VERSION 1 were written, with their defaults: at the default
-# they are left out, so an unchanged config keeps its fingerprint and its old checkpoints resume; set to anything
-# else they are fingerprinted as every other field.
-_ADDED_LATER = {
+# PPO fields added after checkpoints of FINGERPRINT_VERSION 1 were written, each with the value that does what the
+# run did before the field existed (its default, which tests/test_derived_once.py holds to it): at that
+# value they are left out, so an unchanged config keeps its fingerprint and its old checkpoints resume; set to
+# anything else they are fingerprinted as every other field. A new PPO field goes here with its default.
+ADDED_LATER = {
     "actor_rollout.policy_loss": "vanilla",
     "actor_rollout.clip_ratio_c": 3.0,
     "actor_rollout.loss_agg_mode": "token-mean",
@@ -138,8 +153,12 @@ _ADDED_LATER = {
     "reward.overlong_penalty_factor": 1.0,
 }
 
+# The same for the flat scripts' fields (ModelArgument, DataArgument, TrainingArguments and their subclasses), by
+# field name: a new field goes here with its default, so the configs that do not set it keep their fingerprints.
+FLAT_ADDED_LATER: dict[str, Any] = {"soft_labels": False}
+
 # Fields whose value is a (comma-separated list of) data file(s) or directories: fingerprinted by content.
-_DATA_FIELDS = {"train_dataset_path", "data.train_dataset_path"}
+_DATA_FIELDS = {"train_dataset_path", "data.train_dataset_path", "problems_path"}
 
 
 @dataclass(frozen=True)
@@ -151,54 +170,29 @@ class Fingerprint:
         return self.digest
 
 
-def run_fingerprint(*configs: Any) -> Fingerprint:
+def run_fingerprint(*configs: Any, use_chat_template: bool | None = None) -> Fingerprint:
     """The fingerprint of a run: ``run_fingerprint(model_args, data_args, training_args)`` for the flat scripts,
-    ``run_fingerprint(ppo_config)`` for PPO."""
-    values = fingerprint_values(*configs)
+    ``run_fingerprint(ppo_config)`` for PPO. ``use_chat_template``: the choice the run makes (the build's, from
+    the tokenizer when the config leaves it unset); None: the config's setting as written."""
+    values = fingerprint_values(*configs, use_chat_template=use_chat_template)
     text = json.dumps({"version": FINGERPRINT_VERSION, "values": values}, sort_keys=True, ensure_ascii=True)
     return Fingerprint(hashlib.sha256(text.encode()).hexdigest(), values)
 
 
-def fingerprint_values(*configs: Any) -> dict[str, Any]:
+def fingerprint_values(*configs: Any, use_chat_template: bool | None = None) -> dict[str, Any]:
     if len(configs) == 1 and _is_ppo_config(configs[0]):
-        return _resolved_chat_template(_ppo_values(configs[0]))
-    values: dict[str, Any] = {}
-    for args in configs:
-        values.update(_flat_values(args))
-    return _resolved_chat_template(dict(sorted(values.items())))
-
-
-# use_chat_template -> the fields naming the tokenizer whose chat template decides it when it is unset (None)
-_CHAT_TEMPLATE_TOKENIZER = {
-    "use_chat_template": ("tokenizer_name_or_path", "model_name_or_path"),
-    "data.use_chat_template": ("actor_rollout.tokenizer_name_or_path", "actor_rollout.model_name_or_path"),
-}
-
-
-def _resolved_chat_template(values: dict[str, Any]) -> dict[str, Any]:
-    """``use_chat_template`` as the run uses it: unset (None) means "when the tokenizer has a chat template", so
-    the value fingerprinted is that answer. The builds store it back into the arguments, so this only loads the
-    tokenizer when the fingerprint comes first (PPO's resume check). A tokenizer without a template gives false,
-    the old default: checkpoints of such runs saved before the default changed still match."""
-    for key, sources in _CHAT_TEMPLATE_TOKENIZER.items():
-        if key in values and values[key] is None:
-            path = next((values[s] for s in sources if isinstance(values.get(s), str) and values[s]), None)
-            values[key] = _has_chat_template(path) if path else None
+        values = _ppo_values(configs[0])
+        key = "data.use_chat_template"
+    else:
+        values = {}
+        for args in configs:
+            values.update(_flat_values(args))
+        values, key = dict(sorted(values.items())), "use_chat_template"
+    if use_chat_template is not None and key in values:
+        # unset (None) means "when the tokenizer has a chat template": the answer is what the run does. A tokenizer
+        # without one gives false, the old default, so such runs' checkpoints saved before the default changed match.
+        values[key] = use_chat_template
     return values
-
-
-def _has_chat_template(path: str) -> bool | None:
-    """Whether the tokenizer at ``path`` has a chat template; None when it cannot be loaded (the run then stops
-    when it loads it, with the message that says why)."""
-    from transformers import AutoTokenizer
-
-    from llm.utils.gguf import is_gguf, load_gguf_tokenizer  # not llm.utils.modeling: it imports back into here
-
-    try:
-        tokenizer = load_gguf_tokenizer(path) if is_gguf(path) else AutoTokenizer.from_pretrained(path)
-        return getattr(tokenizer, "chat_template", None) is not None
-    except Exception:  # noqa: BLE001 - reported by the run's own tokenizer load, not here
-        return None
 
 
 # --- the flat scripts ---------------------------------------------------------------------------------
@@ -211,7 +205,10 @@ def _flat_values(args: Any) -> dict[str, Any]:
         names += [
             f.name
             for f in dataclasses.fields(args)
-            if f.init and f.name not in hf and f.name not in _EXCLUDED_OWN_TRAINING
+            if f.init
+            and f.name not in hf
+            and f.name not in _EXCLUDED_OWN_TRAINING
+            and not _added_later(FLAT_ADDED_LATER, f.name, getattr(args, f.name))
         ]
         values = {n: _json_value(getattr(args, n)) for n in names}
         values["global_train_batch_size"] = _global_batch(args)
@@ -220,11 +217,16 @@ def _flat_values(args: Any) -> dict[str, Any]:
         raise TypeError(f"run_fingerprint: expected argument dataclasses or a PPOConfig, got {type(args).__name__}")
     out = {}
     for f in dataclasses.fields(args):
-        if not f.init or f.name in _EXCLUDED:
+        if not f.init or f.name in _EXCLUDED or _added_later(FLAT_ADDED_LATER, f.name, getattr(args, f.name)):
             continue
         value = getattr(args, f.name)
         out[f.name] = _data_value(value) if f.name in _DATA_FIELDS else _json_value(_local_path(f.name, value))
     return out
+
+
+def _added_later(table: dict[str, Any], key: str, value: Any) -> bool:
+    """``key`` was added after checkpoints were written and ``value`` does what runs did before it existed."""
+    return key in table and value == table[key]
 
 
 def _global_batch(args: Any) -> int:
@@ -255,10 +257,10 @@ def _ppo_values(config: Any) -> dict[str, Any]:
 def _section_values(prefix: str, section: Any, values: dict[str, Any]) -> None:
     for f in dataclasses.fields(section):
         key = f"{prefix}.{f.name}"
-        if key in _PPO_EXCLUDED:
-            continue
+        if not f.init or key in _PPO_EXCLUDED:
+            continue  # not init: derived from the fields (reward.label_tokens)
         value = getattr(section, f.name)
-        if key in _ADDED_LATER and value == _ADDED_LATER[key]:
+        if _added_later(ADDED_LATER, key, value):
             continue
         if dataclasses.is_dataclass(value):
             _section_values(key, value, values)
@@ -329,17 +331,3 @@ def _file_digest(path: str) -> dict[str, Any]:
             f.seek(offset)
             h.update(f.read(_SAMPLE_BLOCK))
     return {"size": size, "sha256_sampled": h.hexdigest()}
-
-
-# --- the flat scripts' arguments, remembered for the trainer --------------------------------------------
-def remember_run_arguments(model_args: Any, data_args: Any, training_args: Any) -> None:
-    """Keep the model and data arguments with ``training_args`` (the one object every trainer and entry point
-    sees), so ``training_fingerprint`` covers all three. Called by ``validate_arguments``."""
-    object.__setattr__(training_args, "run_arguments", (model_args, data_args))
-
-
-def training_fingerprint(training_args: Any) -> Fingerprint:
-    """The fingerprint of a flat-script run from its ``training_args`` (with the model and data arguments that
-    ``remember_run_arguments`` attached; a trainer built without them: the training arguments alone)."""
-    others = getattr(training_args, "run_arguments", None) or ()
-    return run_fingerprint(*others, training_args)

@@ -18,6 +18,7 @@ import transformers
 from llm.settings.shared import LoraFields, OptimizerFields
 from llm.utils.distributed import Layout, has_accelerator, parse_layout
 from llm.utils.errors import UserError
+from llm.utils.lora import check_lora_arguments
 from llm.utils.paths import resolve_paths
 from llm.utils.rundir import check_output_dir
 
@@ -198,6 +199,8 @@ class TrainingArguments(OptimizerFields, transformers.TrainingArguments):
     script: ClassVar[str] = "sft"  # which run_*.py reads these arguments (an OpenRLHF launch script must match)
     # Lines about the config for the log (PaddleNLP names with no effect here, ...), filled by parse_arguments.
     config_notes: list[str] = field(default_factory=list, init=False, repr=False)
+    # save_only_model as given: whether checkpoints hold the optimizer, scheduler and RNG state (derived below)
+    save_training_state: bool = field(default=True, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.evaluation_strategy is not None:
@@ -221,6 +224,10 @@ class TrainingArguments(OptimizerFields, transformers.TrainingArguments):
             self.use_cpu = True
         # Our collators build typed packed batches; HF must not drop "unused" columns.
         self.remove_unused_columns = False
+        # Checkpoints are written by llm.alignment.checkpointing for every layout (transformers' own code refuses
+        # the optimizer of a model placed by DistributedConfig): transformers is told to save the model only, and
+        # the setting as given says whether ours hold the training state.
+        self.save_training_state, self.save_only_model = not self.save_only_model, True
         if self.disable_tqdm is None and not sys.stderr.isatty():
             self.disable_tqdm = True  # a log file gets the logged steps, not 100s of KB of carriage returns
         if self.ddp_find_unused_parameters is None:
@@ -269,6 +276,7 @@ def validate_arguments(model_args: ModelArgument, data_args: DataArgument, train
             f"master weights; optim={optim!r} would step on the fp16 weights. Use bf16, or O1"
         )
     layout = training_args.layout  # validates sharding / degrees against the world size
+    check_lora_arguments(model_args, training_args)  # (lora_path found here: read-only once validated)
     if layout.tp > 1 and data_args.lazy:
         raise UserError(
             "lazy streaming with tensor_parallel_degree > 1 is not available (streamed rows are split over all "
@@ -308,9 +316,10 @@ def validate_arguments(model_args: ModelArgument, data_args: DataArgument, train
         training_args.do_eval = False
         training_args.eval_strategy = "no"
         training_args.save_strategy = "no"
-    from llm.settings.fingerprint import remember_run_arguments
-
-    remember_run_arguments(model_args, data_args, training_args)  # for the checkpoints' run fingerprint
+    if data_args.lazy:
+        # accelerate would read a streamed data set on rank 0 only and broadcast whole collated batches, which must
+        # be plain tensors; instead every rank reads the (deterministic) stream and keeps its share of the rows
+        training_args.accelerator_config.dispatch_batches = False
 
 
 def recompute_mode(model_args: ModelArgument, training_args: TrainingArguments) -> str | None:
@@ -330,6 +339,9 @@ INPUT_PATHS = (
     "ref_model_name_or_path",
     "train_dataset_path",
     "dev_dataset_path",
+    "problems_path",  # llm/run_label.py
+    "completer_model_name_or_path",
+    "judge_model_name_or_path",
 )
 
 # Lower bounds of transformers' own fields (ours, and the shared optimizer fields, declare theirs as metadata

@@ -22,7 +22,7 @@ from llm.settings.dialects import mindspeed
 from llm.settings.dialects.paddle import PADDLE_NAMES, translate
 from llm.settings.files import JSON_EXTENSIONS, LAUNCH_SCRIPT_EXTENSIONS, YAML_EXTENSIONS, read_config_file
 from llm.settings.flat import ARGUMENT_TYPES, INPUT_PATHS, TRAINING_BOUNDS, TrainingArguments
-from llm.settings.ppo import ROLES, SECTIONS, PPOConfig
+from llm.settings.ppo import OPTIONAL_SECTIONS, ROLES, SECTIONS, PPOConfig
 from llm.settings.ppo_validation import validate_ppo_config
 from llm.settings.search import SEARCH_SECTIONS, SearchConfig, validate_search_config
 from llm.utils.errors import UserError, closest
@@ -86,7 +86,8 @@ MOVED = {
     "remove it",
 }
 CONFIG_EXTENSIONS = (*JSON_EXTENSIONS, *YAML_EXTENSIONS)
-PPO_SCHEMA = Schema(sections=SECTIONS, default_section="training")
+ALL_SECTIONS = {**SECTIONS, **OPTIONAL_SECTIONS}
+PPO_SCHEMA = Schema(sections=ALL_SECTIONS, default_section="training")
 
 
 def parse_ppo_config(argv: list[str]) -> PPOConfig:
@@ -96,7 +97,7 @@ def parse_ppo_config(argv: list[str]) -> PPOConfig:
         "ppo",
         (*CONFIG_EXTENSIONS, *LAUNCH_SCRIPT_EXTENSIONS),
         "usage: run_ppo.py CONFIG.json|CONFIG.yaml|LAUNCH_SCRIPT.sh [--section.field value ...]",
-        f"one object with sections {', '.join(SECTIONS)}",
+        f"one object with sections {', '.join(ALL_SECTIONS)}",
     )
     path, raw, notes = source.path, source.raw, source.notes
     if mindspeed.is_mindspeed_layout(raw):
@@ -104,13 +105,20 @@ def parse_ppo_config(argv: list[str]) -> PPOConfig:
     for key, values in raw.items():
         if ("", key) in MOVED:
             raise UserError(f"{path}: {key}: {MOVED['', key]}")
-        if key not in SECTIONS:
-            raise UserError(f"{path}: unknown section {key!r}; closest valid names: {closest(str(key), SECTIONS)}")
+        if key not in ALL_SECTIONS:
+            raise UserError(f"{path}: unknown section {key!r}; closest valid names: {closest(str(key), ALL_SECTIONS)}")
         for name in values if isinstance(values, Mapping) else ():
             if (key, name) in MOVED:
                 raise UserError(f"{path}: {key}.{name}: {MOVED[key, name]}")
     raw = merge(raw, parse_overrides(argv[1:], PPO_SCHEMA))
     sections = {name: fields.build(cls, raw.get(name, {}), path, section=name) for name, cls in SECTIONS.items()}
+    sections.update(
+        {
+            name: fields.build(cls, raw[name], path, section=name)
+            for name, cls in OPTIONAL_SECTIONS.items()
+            if name in raw
+        }
+    )
     config = PPOConfig(**sections, source=path, notes=notes)
     resolve_input_paths(config, path)
     validate_ppo_config(config, path)

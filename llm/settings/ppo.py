@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from llm.settings.registry import ADV_ESTIMATORS
+from llm.settings.environment import EnvironmentConfig
+from llm.settings.registry import ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
 from llm.settings.shared import LoraFields, OptimizerFields, reward_token_pair, with_default
 from llm.utils.errors import UserError
 
@@ -136,21 +137,16 @@ class ActorRolloutSection(TrainedSection):
     shuffle_minibatch: bool = True
     entropy_coeff: float = _f(0.0, low=0)
     policy_loss: str = _f(
-        "vanilla",
-        "the policy objective, a registered name (llm.settings.registry POLICY_LOSSES): vanilla (PPO's clipped "
-        "surrogate with clip_ratio_low / clip_ratio_high), dual_clip (also bounds the loss of a negative advantage "
-        "by clip_ratio_c x |A|; Ye et al. 2020), gspo (one sequence-level ratio, the geometric mean of the token "
-        "ratios, clipped; Zheng et al. 2025), cispo (the clipped ratio as a stop-gradient weight on A log p; "
-        "MiniMax-M1 2025)",
+        POLICY_LOSSES.default,
+        "the policy objective: a name registered in POLICY_LOSSES (llm.settings.registry); the built-ins, with their "
+        "formulas and papers, are in llm/alignment/ppo/objectives.py",
     )
     clip_ratio_c: float = _f(3.0, "dual_clip: a negative advantage's loss is at most clip_ratio_c x |A| (> 1)", low=0)
     loss_agg_mode: str = _f(
-        "token-mean",
-        "how per-token losses make the loss (llm.settings.registry LOSS_AGG_MODES): token-mean (over every token of "
-        "the mini-batch; DAPO), seq-mean-token-mean (each response's token mean, then the mean over responses; the "
-        "original GRPO), seq-mean-token-sum (each response's token sum, then the mean), seq-mean-token-sum-norm "
-        "(the sum over tokens divided by responses x max_response_length, a constant; Dr. GRPO). Counts are the "
-        "whole mini-batch's, so micro-batches and ranks add up to one big batch",
+        LOSS_AGG_MODES.default,
+        "how per-token losses make the loss: a name registered in LOSS_AGG_MODES (llm.settings.registry); the "
+        "built-ins are in llm/alignment/ppo/objectives.py. Counts are the whole mini-batch's, so micro-batches and "
+        "ranks add up to one big batch",
     )
     mask_truncated_completions: bool = _f(
         False,
@@ -189,7 +185,8 @@ class ActorRolloutSection(TrainedSection):
     )
     vllm_max_model_len: int | None = _f(
         None,
-        "vllm: the longest prompt + response the engine holds; null: max_prompt_length + max_response_length",
+        "vllm: the longest prompt + response the engine holds; null: max_prompt_length + max_response_length "
+        "(environment.max_episode_tokens with an environment)",
         low=1,
     )
     vllm_sleep: bool = _f(
@@ -270,11 +267,13 @@ class RewardSection(FrozenModelSection):
         low=0,
     )
     overlong_penalty_factor: float = _f(1.0, "the largest overlong punishment (at max_response_length)", low=0)
+    # reward_tokens as (positive, negative), parsed once here (not a setting: derived, never fingerprinted)
+    label_tokens: tuple[str, str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         """What the lower bounds cannot say: the URL scheme, the label tokens, upper bounds (a run must not wait
         for ever)."""
-        reward_token_pair(self.reward_tokens, "reward.reward_tokens")
+        self.label_tokens = reward_token_pair(self.reward_tokens, "reward.reward_tokens")
         if self.url is not None:
             check_reward_url(self.url)
         for name, high in (("max_retries", 10), ("retry_backoff", 60.0), ("max_response_bytes", 2**30)):
@@ -409,6 +408,8 @@ SECTIONS: dict[str, type] = {
     "data": DataSection,
     "resource_pool": ResourcePool,
 }
+# sections that are None unless the file or the command line gives them
+OPTIONAL_SECTIONS: dict[str, type] = {"environment": EnvironmentConfig}
 
 
 @dataclass
@@ -421,6 +422,7 @@ class PPOConfig:
     algorithm: AlgorithmSection
     data: DataSection
     resource_pool: ResourcePool
+    environment: EnvironmentConfig | None = None  # multi-turn episodes (llm.settings.environment); None: single-turn
     source: str = ""  # the config file, for messages
     notes: list[str] = field(default_factory=list)  # lines for the log: what a MindSpeed name became, ...
 

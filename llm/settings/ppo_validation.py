@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+from llm.settings.environment_validation import validate_environment
 from llm.settings.ppo import (
     LORA_ROLES,
     ROLES,
@@ -118,6 +119,7 @@ def validate_ppo_config(c: PPOConfig, path: str) -> None:
     validate_rollout_engine(c, path)
     validate_dapo(c, path)
     validate_async(c, path)
+    validate_environment(c, path)
 
 
 ROLLOUT_ENGINES = ("hf", "vllm")

@@ -1,5 +1,6 @@
 """Registries of the variants a config chooses by name: advantage estimators, KL estimators and controllers,
-reward types, PRM score aggregations, DPO losses, step scorers (the kinds of process reward model a search reads).
+reward types, PRM score aggregations, DPO losses, tool-call formats, step scorers (the kinds of process reward
+model the search reads).
 
 A registry is declared here, on the schema's side, and filled by the module that implements its variants
 (``provider``), which adds each one on import (``llm.alignment.ppo.algorithm`` adds ``gae``, ``grpo``, ...).
@@ -20,11 +21,12 @@ from llm.utils.errors import UserError, closest
 
 
 class Registry(dict):
-    """Name -> entry for one config field (``what``), its built-ins added by importing ``provider``."""
+    """Name -> entry for one config field (``what``), its built-ins added by importing ``provider``; ``default``: the
+    name the field takes when a config does not set it (the schema's default reads it from here)."""
 
-    def __init__(self, what: str, provider: str, sort_names: bool = False) -> None:
+    def __init__(self, what: str, provider: str, sort_names: bool = False, default: str | None = None) -> None:
         super().__init__()
-        self.what, self.provider, self.sort_names = what, provider, sort_names
+        self.what, self.provider, self.sort_names, self.default = what, provider, sort_names, default
         self.loaded = False
 
     def load(self) -> None:
@@ -104,10 +106,15 @@ KL_ESTIMATORS = Registry("algorithm.kl_penalty", PPO_ALGORITHM)  # name -> f(log
 KL_CONTROLLERS = Registry("algorithm.kl_ctrl.type", PPO_ALGORITHM)  # name -> f(kl_ctrl section) -> controller
 REWARD_TYPES = Registry("reward.type", PPO_REWARDS, sort_names=True)  # name -> RewardType
 PRM_AGGREGATIONS = Registry("reward.prm_aggregation", PPO_REWARDS)  # name -> f(step scores) or None (dense)
-POLICY_LOSSES = Registry("actor_rollout.policy_loss", "llm.alignment.ppo.objectives")  # name -> PolicyObjective
-LOSS_AGG_MODES = Registry("actor_rollout.loss_agg_mode", "llm.alignment.ppo.objectives")  # name -> aggregation
+PPO_OBJECTIVES = "llm.alignment.ppo.objectives"
+POLICY_LOSSES = Registry("actor_rollout.policy_loss", PPO_OBJECTIVES, default="vanilla")  # name -> PolicyObjective
+LOSS_AGG_MODES = Registry("actor_rollout.loss_agg_mode", PPO_OBJECTIVES, default="token-mean")  # name -> aggregation
 DPO_LOSSES = Registry("loss_type", "llm.alignment.dpo.loss")  # name -> LossSpec
-STEP_SCORERS = Registry("prm.kind", "llm.alignment.rm.scoring")  # name -> StepScorer class (``from_settings``)
+TOOL_CALL_FORMATS = Registry(
+    "environment.tool_call_format", "llm.alignment.ppo.agent.parsers"
+)  # name -> ToolCallFormat
+# name -> StepScorer class (``from_settings``)
+STEP_SCORERS = Registry("prm.kind", "llm.alignment.rm.scoring", default="discriminative")
 
 # algorithm.kl_penalty also takes "full": the exact KL over the vocabulary (not a per-token estimator)
 EXACT_KL = "full"

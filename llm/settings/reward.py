@@ -25,14 +25,25 @@ class RewardModelArgument(ModelArgument):
         },
     )
 
+    # reward_tokens as (positive, negative), parsed once here (not a setting: derived, never fingerprinted)
+    label_tokens: tuple[str, str] = field(init=False, repr=False)
+
     def __post_init__(self) -> None:
-        reward_token_pair(self.reward_tokens)  # refused at start-up, before any model loads
+        self.label_tokens = reward_token_pair(self.reward_tokens)  # refused at start-up, before any model loads
 
 
 @dataclass
 class RewardTrainingArguments(TrainingArguments):
     script: ClassVar[str] = "rm"
     process_reward: bool = field(default=False, metadata={"help": "true: process reward model (PRM); false: ORM."})
+    soft_labels: bool = field(
+        default=False,
+        metadata={
+            "help": "PRM: train on the records' soft_labels (llm/run_label.py's Monte Carlo values): binary "
+            "cross-entropy of p(+) = softmax([l+, l-])[0] against each step's soft label, its hard label where it "
+            "has none; false: cross-entropy against the hard labels."
+        },
+    )
     margin: float = field(default=0.0, metadata={"help": "ORM: loss -log sigmoid(s_c - s_r - margin)."})
     center_rewards_coefficient: float = field(
         default=0.0, metadata={"help": "ORM: coefficient of mean((s_c + s_r)^2) (reward centering).", "min": 0}
@@ -65,6 +76,8 @@ class RewardTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        if self.soft_labels and not self.process_reward:
+            raise UserError("soft_labels is a PRM's (step soft labels): set process_reward true, or remove it")
         if self.prm_threshold > 1:
             raise UserError(f"prm_threshold is a probability in [0, 1], got {self.prm_threshold}")
         super().__post_init__()

@@ -64,7 +64,7 @@ class PolicySection:
 @dataclass(frozen=True)
 class PRMSection:
     kind: str = _f(
-        "discriminative",
+        STEP_SCORERS.default,
         "the kind of reward model, a registered step scorer (llm.settings.registry STEP_SCORERS): discriminative "
         "(a PRM trained by run_reward.py with process_reward) or orm (an ORM's score after every step)",
     )

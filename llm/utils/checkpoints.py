@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from llm.utils import run_files
 from llm.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -145,11 +146,16 @@ def read_json(path: str) -> Any:
 
 def write_json_atomic(path: str, data: Any) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a signal: no temporary file left behind
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 # --- writing a checkpoint atomically -----------------------------------------------------------------
@@ -219,10 +225,12 @@ def begin_final(output_dir: str, is_main: bool) -> str:
 
 def finish_final(output_dir: str, step: int) -> None:
     """Main process only, after every rank has written its part into the staging directory: each file (a
-    folder such as LoRA's ``merged/`` as a whole) is renamed into ``output_dir``, then the marker is written."""
+    folder such as LoRA's ``merged/`` as a whole) is renamed into ``output_dir``, then the marker is written.
+    The names are added to ``run_files.json`` first (``llm.utils.run_files``): what this run moves in is its own."""
     staging = os.path.join(output_dir, FINAL_STAGING)
     _fsync_dir(staging)
     names = sorted(os.listdir(staging))
+    run_files.record(output_dir, names)
     for name in names:
         src, dst = os.path.join(staging, name), os.path.join(output_dir, name)
         if os.path.isdir(src) and os.path.lexists(dst):

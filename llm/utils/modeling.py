@@ -96,6 +96,16 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def load_config(path: str, **overrides) -> PretrainedConfig:
+    """The model config of ``model_name_or_path`` ``path``: its config.json, or a GGUF file's metadata."""
+    if is_gguf(path):
+        return load_gguf_config(path, **overrides)
+    try:
+        return AutoConfig.from_pretrained(path, **overrides)
+    except (OSError, ValueError) as err:
+        raise _not_found("model_name_or_path", path, "config.json", err) from None
+
+
 # set while a run that resumes a checkpoint builds its model (llm/alignment/recipe.py): a config-built model's
 # random weights are then replaced at once, and the log says so instead of "initialised randomly"
 RESUMING: contextvars.ContextVar[bool] = contextvars.ContextVar("resuming", default=False)
@@ -141,13 +151,13 @@ def load_model(
             f"model_name_or_path {path} is a GGUF file, which is not read shard by shard: convert it first "
             "(python llm/convert_gguf.py FILE.gguf --output DIR) and give DIR"
         )
-    if gguf:
-        config = load_gguf_config(path, **config_overrides)
-    else:
-        try:
-            config = AutoConfig.from_pretrained(path, **config_overrides)
-        except (OSError, ValueError) as err:
-            raise _not_found("model_name_or_path", path, "config.json", err) from None
+    if gguf and quantization_config is not None:
+        raise UserError(
+            f"model_name_or_path {path} is a GGUF file, read as float weights, which transformers cannot quantize "
+            "again for QLoRA (weight_quantize_algo): unset weight_quantize_algo (plain LoRA), or convert it first "
+            "(python llm/convert_gguf.py FILE.gguf --output DIR) and give DIR"
+        )
+    config = load_config(path, **config_overrides)
     if pad_token_id is not None:
         config.pad_token_id = pad_token_id
     transformers.set_seed(seed)

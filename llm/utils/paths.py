@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import errno
 import os
+import stat
 
 from llm.utils.errors import UserError
 
@@ -87,3 +88,31 @@ def resolve_paths(value: str, field: str, where: str, *, required: bool = True) 
             found = part
         parts.append(found)
     return ",".join(parts)
+
+
+def read_text_file(found: str, shown: str, max_bytes: int | None = None, why: str = "") -> str:
+    """The text of the regular file ``found`` (``shown`` names it in messages). A FIFO, device or directory is
+    refused, never waited on (opened without blocking, checked before reading); with ``max_bytes`` a larger file
+    is refused unread (``why``: what the limit is for)."""
+    try:
+        _check_regular(os.stat(found), shown, max_bytes, why)  # a FIFO is not even opened
+        with os.fdopen(os.open(found, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+            _check_regular(os.fstat(f.fileno()), shown, max_bytes, why)  # replaced since the stat
+            data = f.read(-1 if max_bytes is None else max_bytes + 1)
+        if max_bytes is not None and len(data) > max_bytes:  # it grew since
+            raise UserError(f"{shown}: is over {max_bytes:,} bytes, which is not read{why}")
+        return data.decode("utf-8")
+    except OSError as err:
+        raise UserError(f"{shown}: cannot read it ({err})") from None
+    except UnicodeDecodeError as err:
+        raise UserError(f"{shown}: cannot read it, not UTF-8 text ({err})") from None
+
+
+def _check_regular(info: os.stat_result, shown: str, max_bytes: int | None, why: str) -> None:
+    if stat.S_ISDIR(info.st_mode):
+        raise UserError(f"{shown}: is a directory, not a file: give the file itself")
+    if not stat.S_ISREG(info.st_mode):
+        kind = "a FIFO (named pipe)" if stat.S_ISFIFO(info.st_mode) else "a device or socket"
+        raise UserError(f"{shown}: is {kind}, not a regular file; reading it could wait forever: give the file")
+    if max_bytes is not None and info.st_size > max_bytes:
+        raise UserError(f"{shown}: is {info.st_size:,} bytes; over {max_bytes:,} is not read{why}")

@@ -17,13 +17,20 @@ and it does not hold another run's results unless the user said so.
   it broadcasts the outcome so that every rank stops with the same message (the process group exists
   by then: ``TrainingArguments`` creates it). PPO on Ray: the driver, the process running ``run_ppo.py``.
 
-A non-empty ``output_dir``: a directory holding a run's results (``checkpoint-*``, a model, the trainer
-state; ``RUN_ARTEFACTS``) is refused for a training run unless ``resume_from_checkpoint`` continues that
-run or ``overwrite_output_dir: true`` says to start a new one there. ``overwrite_output_dir`` deletes
-nothing: files the new run writes replace the old ones of the same name, and old ``checkpoint-*``
-directories stay (the log names them). Telling "this run's own checkpoints" from "another run's" is
-the job of the checkpoint markers (``llm.settings.fingerprint``): ``resume_from_checkpoint: auto`` is to
-pick only checkpoints of this run; ``foreign_artefacts`` is the hook for that rule here.
+A non-empty ``output_dir``: first, a file no run of this project wrote (a user's config.json, tokenizer,
+weights, notes: ``files_of_another_origin``) stops every run (evaluation-only too), whatever its options: a run
+would replace files of the names it writes. What runs wrote is listed in ``output_dir/run_files.json``
+(``llm.utils.run_files``). Besides what it lists, a run's own are: ``checkpoint-N`` and saves in progress
+(``checkpoint-N.partial``, ``final.partial``), the lock, a subdirectory that is itself a run directory
+(``run_pipeline.py``'s stages) and, in a run directory, the result files of ``RESULT_FILES``. A run directory of
+a version before ``run_files.json`` is known by a checkpoint's ``checkpoint.json`` or by its
+``final_model.json`` (which lists the final model's files). Then a directory holding a run's results
+(``checkpoint-*``, a model, the trainer state; ``RUN_ARTEFACTS``) is refused for a training run unless
+``resume_from_checkpoint`` continues that run or ``overwrite_output_dir: true`` says to start a new one there.
+``overwrite_output_dir`` deletes nothing: files the new run writes replace the old ones of the same name, and
+old ``checkpoint-*`` directories stay (the log names them). Telling "this run's own checkpoints" from "another
+run's" is the job of the checkpoint markers (``llm.settings.fingerprint``): ``resume_from_checkpoint: auto`` is
+to pick only checkpoints of this run; ``foreign_artefacts`` is the hook for that rule here.
 """
 
 from __future__ import annotations
@@ -35,14 +42,15 @@ import fcntl
 import json
 import logging
 import os
+import re
 import socket
 import sys
 import tempfile
 from collections.abc import Iterator
 from typing import Self
 
-from llm.utils import preemption
-from llm.utils.checkpoints import checkpoint_dirs, checkpoint_problem
+from llm.utils import preemption, run_files
+from llm.utils.checkpoints import FINAL_MARKER, MARKER, checkpoint_dirs, checkpoint_problem
 from llm.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -104,6 +112,86 @@ def foreign_artefacts(output_dir: str, fingerprint: str | None = None) -> list[s
     for the checkpoint markers (``llm.settings.fingerprint``): with a ``fingerprint`` the files of a run with
     that fingerprint could be left out here."""
     return run_artefacts(output_dir)
+
+
+# What a run writes beside its model outside the final save (results, per-example scores, the reward model's
+# best-of-n plot, PPO's samples, TensorBoard's runs/): in a run directory they are the runs' own.
+RESULT_FILES = (
+    "all_results.json",
+    "train_results.json",
+    "eval_results.json",
+    "eval_scores.jsonl",
+    "eval_best_of_n.png",
+    "samples.jsonl",
+    "runs",
+    FINAL_MARKER,
+)
+# a run's own whatever the directory: its lock, a checkpoint, a save in progress, a write test, a temporary file
+_OWN_KIND = re.compile(r"^(checkpoint-\d+|checkpoint-\d+\.partial|final\.partial|\.write-test-.*|\.run\.lock)$")
+_TEMPORARY = re.compile(r"^(.+)\.tmp\d+$")  # what an atomic JSON write leaves when killed
+
+
+def run_directory_files(directory: str) -> set[str] | None:
+    """The names runs of this project wrote in ``directory``; None when it is not a run directory."""
+    names = run_files.recorded(directory)
+    if names is None:
+        names = _earlier_version_files(directory)
+    return None if names is None else names | set(RESULT_FILES) | {run_files.RUN_FILES}
+
+
+def _earlier_version_files(directory: str) -> set[str] | None:
+    """A run directory written before ``run_files.json`` existed: its final model's files (``final_model.json``), or
+    nothing more when a checkpoint with its marker shows it is one; None: not a run directory."""
+    try:
+        with open(os.path.join(directory, FINAL_MARKER), encoding="utf-8") as f:
+            files = json.load(f).get("files")
+        if isinstance(files, list):
+            return {n for n in files if isinstance(n, str)}
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        pass
+    if any(os.path.isfile(os.path.join(path, MARKER)) for _, path in checkpoint_dirs(directory)):
+        return set()
+    return None
+
+
+def files_of_another_origin(output_dir: str) -> list[str]:
+    """The entries of ``output_dir`` that no run of this project wrote (the module's docstring), sorted."""
+    try:
+        names = os.listdir(output_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    own = run_directory_files(output_dir) or set()
+
+    def ours(name: str) -> bool:
+        if name in own or _OWN_KIND.match(name):
+            return True
+        temporary = _TEMPORARY.match(name)
+        if temporary and (temporary.group(1) in own or temporary.group(1) == run_files.RUN_FILES):
+            return True
+        path = os.path.join(output_dir, name)
+        return os.path.isdir(path) and not os.path.islink(path) and run_directory_files(path) is not None
+
+    return sorted(n for n in names if not ours(n))
+
+
+def check_own_directory(output_dir: str, field: str = "output_dir") -> None:
+    """``output_dir`` holds nothing but what runs of this project wrote; else a ``UserError`` naming the rest."""
+    found = files_of_another_origin(output_dir)
+    if not found:
+        return
+    listed = ", ".join(found[:8]) + (f", ... ({len(found)} in all)" if len(found) > 8 else "")
+    raise UserError(
+        f"{field} {output_dir} holds files that no run of this project wrote ({listed}); a run writes its model, "
+        f"tokenizer, config and results there and would replace files of the same names. Choose an empty or new "
+        f"directory, or a subdirectory such as {os.path.join(output_dir, 'run')}"
+    )
+
+
+def claim(output_dir: str) -> None:
+    """Records every entry now in ``output_dir`` as a run's (``llm.utils.run_files``): called once the checks
+    have passed, and when the run ends."""
+    names = [n for n in os.listdir(output_dir) if n != LOCK_NAME and not n.startswith(".write-test-")]
+    run_files.record(output_dir, names)
 
 
 def check_not_another_runs(output_dir: str, resume: str | None, overwrite: bool, field: str = "output_dir") -> None:
@@ -342,13 +430,17 @@ def run_guard(
     with preemption.handle_signals():
         check_output_dir(output_dir, field)  # every rank: each writes its own shards
         lock = None
+        claimed = False
         error = config_mismatch(config)
         if _rank() == 0 and error is None:
             try:
                 lock = RunLock(output_dir).acquire()
+                check_own_directory(output_dir, field)
                 if trains:
                     check_not_another_runs(output_dir, resume, overwrite, field)
                     check_something_to_resume(output_dir, resume, field)
+                claim(output_dir)
+                claimed = True
             except UserError as err:
                 error = str(err)
             except Exception as err:  # noqa: BLE001 - the other ranks must never wait for an outcome that never comes
@@ -361,5 +453,8 @@ def run_guard(
             yield
         finally:
             preemption.on_hard_exit(None)
+            if claimed:  # what the run wrote beside its saves (results, logs); a full disk may refuse it
+                with contextlib.suppress(OSError):
+                    claim(output_dir)
             if lock is not None:
                 lock.release()

@@ -9,12 +9,13 @@ import logging
 
 from transformers import PreTrainedTokenizerBase
 
+from llm.alignment.context import RunContext
 from llm.alignment.dpo.loss import loss_spec
 from llm.alignment.dpo.trainer import DPOTrainer, collate_pairs
 from llm.alignment.lm import load_causal_lm
 from llm.alignment.recipe import Recipe, build_trainer
-from llm.alignment.sft.build import encode_config
 from llm.data.encode_lm import encode_pair_for_lm
+from llm.data.encoding import EncodeConfig
 from llm.data.prepare import PackedData, load_packed
 from llm.settings.dpo import DPOModelArgument, DPOTrainingArguments
 from llm.settings.flat import DataArgument
@@ -27,6 +28,7 @@ def build_pair_data(
     path: str,
     tokenizer: PreTrainedTokenizerBase,
     data_args: DataArgument,
+    cfg: EncodeConfig,
     loss_type: str,
     batch_size: int,
     seed: int,
@@ -37,7 +39,7 @@ def build_pair_data(
     encode = functools.partial(
         encode_pair_for_lm,
         tokenizer=tokenizer,
-        cfg=encode_config(data_args),
+        cfg=cfg,
         prompt_targets=loss_spec(loss_type).nll_term,  # ORPO's NLL term also covers the prompt tokens
     )
     return load_packed(path, "pair", encode, data_args, batch_size, seed, probs, lazy, max_records)
@@ -80,10 +82,10 @@ class DPORecipe(Recipe):
     def model_objects(self, model, tokenizer) -> dict:
         return {"ref_model": build_reference(self.model_args, self.training_args, tokenizer, model)}
 
-    def read_split(self, path, tokenizer, batch_size, probs=None, lazy=False, max_records=None) -> PackedData:
-        t = self.training_args
+    def read_split(self, path, split, batch_size, probs=None, lazy=False, max_records=None) -> PackedData:
+        t, run = self.training_args, self.run
         return build_pair_data(
-            path, tokenizer, self.data_args, t.loss_type, batch_size, t.seed, probs, lazy, max_records
+            path, run.tokenizer, self.data_args, run.encoding, t.loss_type, batch_size, t.seed, probs, lazy, max_records
         )
 
     def finish(self, trainer: DPOTrainer) -> None:
@@ -92,7 +94,6 @@ class DPORecipe(Recipe):
             logger.info("reference log-probs precomputed for every pair; no reference model is kept")
 
 
-def build_dpo_trainer(
-    model_args: DPOModelArgument, data_args: DataArgument, training_args: DPOTrainingArguments
-) -> tuple[DPOTrainer, PackedData | None, PackedData | None]:
-    return build_trainer(DPORecipe(model_args, data_args, training_args))
+def build_dpo_trainer(run: RunContext) -> tuple[DPOTrainer, PackedData | None, PackedData | None]:
+    """``run``: ``RunContext.load(model_args, data_args, training_args)`` of DPO's argument types."""
+    return build_trainer(DPORecipe(run))

@@ -1,9 +1,10 @@
 """PPO / GRPO / RLOO / REINFORCE++ math as pure functions of tensors (torch only, no logging; the running
 reward moments and KL controllers keep Python floats), and the registries of the variants.
 
-Token tensors are ``(B, T)`` over response tokens, right-padded; ``mask`` is 1.0 on real response
-tokens. Position t holds what concerns response token t (its log-prob, the value of the state
-before it, the reward received after emitting it).
+Token tensors are ``(B, T)`` over response tokens, right-padded; ``mask`` is 1.0 on the response tokens the
+policy is trained on (``Samples.response_mask``: every real response token of a single-turn sample, the model's
+tokens of a multi-turn episode, whose environment tokens in between are 0). Position t holds what concerns
+response token t (its log-prob, the value of the state before it, the reward received after emitting it).
 """
 
 from __future__ import annotations
@@ -175,21 +176,48 @@ def shape_scores(
 
 
 # --- per-token rewards -----------------------------------------------------------------------------------------
+def last_tokens(mask: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` the index of each row's last masked token (a multi-turn episode's last model token; 0 for a row
+    without one)."""
+    positions = torch.arange(mask.shape[1], dtype=mask.dtype, device=mask.device)
+    return (mask * positions).amax(1).long() if mask.shape[1] else torch.zeros(len(mask), dtype=torch.long)
+
+
+def environment_rewards(
+    turn_ends: list[list[int]], turn_rewards: list[list[float]], mask: torch.Tensor, per_turn: bool, gamma: float
+) -> torch.Tensor:
+    """``(B, T)`` the environment's rewards of multi-turn episodes: ``per_turn`` (GAE), ``turn_rewards[k]`` at
+    ``turn_ends[k]``; else (the estimators that see one outcome per episode) the discounted return
+    ``sum_k gamma^k turn_rewards[k]`` at the episode's last model token."""
+    out = torch.zeros(mask.shape)
+    last = last_tokens(mask).tolist()
+    for i, (ends, rewards) in enumerate(zip(turn_ends, turn_rewards)):
+        if per_turn:
+            for end, reward in zip(ends, rewards):
+                out[i, end] += reward
+        else:
+            out[i, last[i]] += sum(gamma**k * reward for k, reward in enumerate(rewards))
+    return out
+
+
 def token_rewards(
     kl: torch.Tensor,
     scores: torch.Tensor,
     mask: torch.Tensor,
     kl_coef: float,
     dense: torch.Tensor | None = None,
+    env: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-token reward: ``-kl_coef * kl`` everywhere, plus the score at the last response token,
-    plus optional dense rewards (PRM step scores placed at each step's last token)."""
+    """Per-token reward: ``-kl_coef * kl`` on the masked tokens, plus the score at the last masked token (the
+    response's last, or a multi-turn episode's last model token), plus optional dense rewards (PRM step scores
+    placed at each step's last token) and the environment's (``environment_rewards``)."""
     rewards = -kl_coef * kl * mask
-    last = (mask.sum(1).long() - 1).clamp_min(0)
     rewards = rewards.clone()
-    rewards[torch.arange(len(scores)), last] += scores
+    rewards[torch.arange(len(scores)), last_tokens(mask)] += scores
     if dense is not None:
         rewards = rewards + dense * mask
+    if env is not None:
+        rewards = rewards + env * mask
     return rewards
 
 
@@ -197,30 +225,36 @@ def token_rewards(
 def gae(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation (Schulman et al. 2016, eq. 16), vectorised over the batch.
+    """Generalised advantage estimation (Schulman et al. 2016, eq. 16), vectorised over the batch, over the
+    masked tokens only.
 
-    ``delta_t = r_t + gamma V_{t+1} - V_t``; ``A_t = delta_t + gamma lam A_{t+1}``; values past the
-    last response token count as 0. Returns ``(advantages, returns = advantages + values)``.
+    ``delta_t = r_t + gamma V_{t'} - V_t``; ``A_t = delta_t + gamma lam A_{t'}``, with ``t'`` the next masked
+    token after ``t``: a token off the mask (an environment token between a multi-turn episode's model turns, or
+    padding) is skipped, neither discounted nor bootstrapped from; the last masked token bootstraps 0. On a
+    contiguous mask (single-turn) ``t' = t + 1``. Returns ``(advantages, returns = advantages + values)``, 0 off
+    the mask.
     """
     values = values * mask
     last = torch.zeros_like(rewards[:, 0])
+    next_value = torch.zeros_like(last)
     out = torch.zeros_like(rewards)
-    T = rewards.shape[1]
-    for t in reversed(range(T)):
-        next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(last)
+    for t in reversed(range(rewards.shape[1])):
+        on = mask[:, t] > 0
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        last = delta + gamma * lam * last
+        last = torch.where(on, delta + gamma * lam * last, last)
+        next_value = torch.where(on, values[:, t], next_value)
         out[:, t] = last
     out = out * mask
     return out, (out + values) * mask
 
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """``G_t = r_t + gamma G_{t+1}`` per sequence (REINFORCE++ uses these, then whitens)."""
+    """``G_t = r_t + gamma G_{t'}`` per sequence, ``t'`` the next masked token (tokens off the mask are skipped,
+    as in ``gae``); REINFORCE++ uses these, then whitens."""
     out = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + gamma * running
+        running = torch.where(mask[:, t] > 0, rewards[:, t] + gamma * running, running)
         out[:, t] = running
     return out * mask
 
@@ -254,11 +288,13 @@ class AdvantageEstimator:
     """An ``algorithm.adv_estimator``: ``estimate(rewards, values, mask, gamma, lam, group_size, **options)`` ->
     ``(advantages, returns or None)``, all ``(B, T)``; ``needs_critic``: it reads ``values`` (a critic is
     built and trained on ``returns``); ``grouped``: it compares the samples of one prompt (needs
-    ``num_samples_per_step`` >= 2)."""
+    ``num_samples_per_step`` >= 2); ``per_turn``: a multi-turn episode's environment rewards reach it at the
+    end of each turn, else as one discounted outcome at the episode's end (``environment_rewards``)."""
 
     estimate: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
     needs_critic: bool = False
     grouped: bool = False
+    per_turn: bool = False
 
 
 def register_adv_estimator(name: str, estimator: AdvantageEstimator) -> AdvantageEstimator:
@@ -277,7 +313,9 @@ def _outcome_advantages(kind: str):
 
 register_adv_estimator(
     "gae",
-    AdvantageEstimator(lambda r, v, m, gamma, lam, g, **options: gae(r, v, m, gamma, lam), needs_critic=True),
+    AdvantageEstimator(
+        lambda r, v, m, gamma, lam, g, **options: gae(r, v, m, gamma, lam), needs_critic=True, per_turn=True
+    ),
 )
 register_adv_estimator("grpo", AdvantageEstimator(_outcome_advantages("grpo"), grouped=True))
 register_adv_estimator("rloo", AdvantageEstimator(_outcome_advantages("rloo"), grouped=True))

@@ -22,9 +22,10 @@ The copy:
   forward), driven from one background thread. Torch releases the GIL in its kernels, so generation and the
   update overlap on two cores (each thread runs torch's intra-op pool at the trainer's thread count).
 
-The trainer's own end-of-step sync is switched off while this runs (its rollout copy is taken over and the
-actor's engine moved to the copy): the weights go to the copy here, right before each launch, never while a
-rollout is in flight on it.
+A rollout source (rollout.py): the trainer calls ``collect`` for each step's scored batch and ``after_update``
+after each update, which here only notes the actor's new version: the weights go to the copy right before each
+launch, never while a rollout is in flight on it. ``close`` leaves the copy (or the actor's engine) with the
+actor's current weights, as the synchronous source keeps them.
 
 **Old log-probs** (the PPO ratio's denominator) are the generating policy's: the copy computes them with a
 packed forward right after it generated, still holding the weights it generated with (or, with
@@ -58,7 +59,9 @@ from dataclasses import dataclass
 import torch
 
 from llm.alignment.ppo.interfaces import Samples
+from llm.alignment.ppo.prompts import make_samples
 from llm.alignment.ppo.roles import PolicyModel
+from llm.alignment.ppo.rollout import RolloutBatch, RolloutContext, generate, reuses_rollout_log_probs, scored_batch
 from llm.utils.lora import is_peft_model
 
 logger = logging.getLogger(__name__)
@@ -110,92 +113,80 @@ class LocalCopy:
 
 
 class AsyncRollouts:
-    """The trainer's rollouts while ``train`` runs with ``async_rollout``: ``take`` (the trainer's ``rollout``
-    phase) and ``log_probs`` (its old log-probs); ``close`` gives the trainer its copy and engine back."""
+    """The rollout source while ``train`` runs with ``async_rollout`` (module docstring): ``collect`` takes the
+    rollout generated meanwhile (or generates it now), launches the next one and scores the samples with the
+    generating policy's old log-probs."""
 
-    def __init__(self, trainer) -> None:
-        self.trainer, c = trainer, trainer.c
+    def __init__(self, context: RolloutContext) -> None:
+        self.context, c = context, context.config
         self.max_staleness = c.actor_rollout.max_staleness
-        self.need_forward = not trainer.reuses_rollout_log_probs
-        self.remote = trainer.rollout_copy
-        self.engine = trainer.actor.engine if self.remote is None else None
-        self.copy = self.remote if self.remote is not None else LocalCopy(trainer.actor, self.need_forward)
-        trainer.rollout_copy = None  # the trainer's end-of-step sync is ours now (before each launch)
-        if self.engine is not None:
-            trainer.actor.engine = None  # the actor no longer generates: its end-of-step engine sync is a no-op
+        self.need_forward = not reuses_rollout_log_probs(c)
+        self.actor = context.generator.actor
+        self.remote = context.generator.copy
+        self.engine = self.actor.engine if self.remote is None else None
+        self.copy = self.remote if self.remote is not None else LocalCopy(self.actor, self.need_forward)
         self.version = -1  # updates whose weights the copy holds (-1: unknown, sync before the first rollout)
-        self.threads = torch.get_num_threads()
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="ppo-rollout", initializer=self._thread_setup)
+        self.actor_version = -1  # updates whose weights the actor holds (-1: not known yet)
+        # a new thread starts at torch's default pool size: the trainer's count (a plain function, not a method of
+        # this object: no reference cycle keeps the copy and the actor alive after the run)
+        threads = torch.get_num_threads()
+        self.executor = ThreadPoolExecutor(
+            1, thread_name_prefix="ppo-rollout", initializer=torch.set_num_threads, initargs=(threads,)
+        )
         self.pending: Future | None = None
-        self.current: Rollout | None = None
-        self.metrics: dict[str, float] = {}
         self.taken: list[tuple[int, int]] = []  # (step, version of the weights that generated it), for checks
 
-    def _thread_setup(self) -> None:
-        torch.set_num_threads(self.threads)  # a new thread starts at torch's default pool size
-
-    # --- the trainer's hooks ---------------------------------------------------------------------
-    def take(self, indices: list[int]) -> tuple[Samples, torch.Tensor | None]:
-        """Step ``trainer.step``'s rollout: the one launched during the previous step, else generated now (the
-        first step, after a resume, or ``max_staleness`` 0); then the copy gets the current weights and the next
-        step's rollout is launched (``max_staleness`` >= 1, unless this is the last step)."""
-        t = self.trainer
-        step, start = t.step, time.perf_counter()
+    # --- the rollout source ----------------------------------------------------------------------
+    def collect(self, step: int, round: int = 0) -> RolloutBatch:
+        """Step ``step``'s batch: the rollout launched during the previous step, else generated now (the first
+        step, after a resume, or ``max_staleness`` 0); then the copy gets the current weights and the next step's
+        rollout is launched (``max_staleness`` >= 1, unless this is the last step); then the samples are scored
+        with the old log-probs of the policy that generated them. (``round``: always 0, dynamic sampling is
+        refused with async_rollout.)"""
+        stream, start = self.context.stream, time.perf_counter()
+        self.actor_version = step
+        indices = stream.indices(step)
         r = self._collect()
         waited = time.perf_counter() - start
         if r is not None and (r.step != step or r.indices != indices):
-            r = None  # not this step's rollout (the step was run outside the loop): generate it now
+            r = None  # not this step's rollout (a step ran outside the loop): generate it now
         sync = 0.0
         if r is None:
             sync += self._sync()
             r = self._run(step, indices, self.version)
-        if self.max_staleness >= 1 and step + 1 < t.c.training.max_steps:
+        if self.max_staleness >= 1 and step + 1 < self.context.config.training.max_steps:
             sync += self._sync()
-            self.pending = self.executor.submit(self._run, step + 1, t.prompt_indices(step + 1), self.version)
-        self.current = r
+            self.pending = self.executor.submit(self._run, step + 1, stream.indices(step + 1), self.version)
         self.taken.append((step, r.version))
-        self.metrics = {
+        metrics = {
+            "time/rollout": time.perf_counter() - start,
             "staleness": float(step - r.version),
             "timing/rollout_s": r.seconds,
             "timing/wait_s": waited,
             "timing/sync_s": sync,
         }
-        return r.samples, r.engine_logprobs
+        return scored_batch(self.context, r.samples, r.engine_logprobs, r.old_logprobs, metrics)
 
-    def log_probs(self, samples: Samples) -> torch.Tensor:
-        """The old log-probs of the rollout just taken: those of the policy that generated it."""
-        r = self.current
-        if r is None or r.samples is not samples or r.old_logprobs is None:
-            raise RuntimeError("async_rollout: old log-probs asked for samples that are not the current rollout's")
-        return r.old_logprobs
-
-    def step_metrics(self, metrics: dict) -> dict:
-        """This step's async figures, given the trainer's step metrics."""
-        update = metrics.get("time/step", 0.0) - metrics.get("time/rollout", 0.0)
-        return {**self.metrics, "timing/update_s": update}
+    def after_update(self, step: int) -> None:
+        self.actor_version = step + 1  # the copy gets these weights before its next launch (or at close)
 
     # --- the copy --------------------------------------------------------------------------------
     def _sync(self) -> float:
         """The actor's current weights to the copy, unless it holds them already; the seconds it took."""
-        if self.version == self.trainer.step:
+        if self.version == self.actor_version:
             return 0.0
         start = time.perf_counter()
-        self.copy.sync_from(self.trainer.actor)
-        self.version = self.trainer.step
+        self.copy.sync_from(self.actor)
+        self.version = self.actor_version
         return time.perf_counter() - start
 
     def _run(self, step: int, indices: list[int], version: int) -> Rollout:
-        """Step ``step``'s rollout on the copy (the trainer's ``rollout`` settings and seed), then the
+        """Step ``step``'s rollout on the copy (the synchronous rollout's settings and seed), then the
         generating policy's old log-probs when a forward gives them."""
-        start = time.perf_counter()
-        t, a = self.trainer, self.trainer.c.actor_rollout
-        prompts = [t.prompts[i] for i in indices]
-        reuse = t.reuses_rollout_log_probs or a.rollout_is_cap is not None
-        out = self.copy.generate([p.ids for p in prompts], **t.sampling(step), with_log_probs=reuse)  # as rollout
-        responses, engine = out if reuse else (out, None)
-        if engine is not None and not all(responses):
-            engine = None  # as PPOTrainer.rollout: an empty response has no generated log-prob
-        samples = t.make_samples(prompts, responses)
+        start, ctx = time.perf_counter(), self.context
+        prompts = [ctx.prompts[i] for i in indices]
+        responses, engine = generate(self.copy, ctx.config, [p.ids for p in prompts], step)
+        samples = make_samples(prompts, responses, ctx.tokenizer)
         old = self.copy.log_probs(samples) if self.need_forward else None
         return Rollout(step, list(indices), version, samples, engine, old, time.perf_counter() - start)
 
@@ -205,9 +196,9 @@ class AsyncRollouts:
         return None if future is None else future.result()
 
     def close(self, finished: bool = True) -> None:
-        """Discard the rollout in flight (waited for: the copy is idle after), stop the thread, and give the
-        trainer its rollout copy and the actor its engine back, with the current weights when ``finished``
-        (not after a failure, which the trainer reports)."""
+        """Discard the rollout in flight (waited for: the copy is idle after), stop the thread, and when
+        ``finished`` (not after a failure, which the trainer reports) give the rollout copy or the actor's engine
+        the actor's current weights."""
         future, self.pending = self.pending, None
         if future is not None:
             try:
@@ -216,12 +207,8 @@ class AsyncRollouts:
             except Exception as err:  # noqa: BLE001 - the run is ending anyway; say why the rollout failed
                 logger.warning("async_rollout: the rollout in flight failed while the run ended: %s", err)
         self.executor.shutdown(wait=True)
-        t = self.trainer
-        t.rollout_copy = self.remote
-        if self.engine is not None:
-            t.actor.engine = self.engine
-        if finished and self.version != t.step:  # the trainer's contract: the copy holds the actor's weights
+        if finished and self.version != self.actor_version:  # the synchronous source's contract
             if self.remote is not None:
-                self.remote.sync_from(t.actor)
+                self.remote.sync_from(self.actor)
             elif self.engine is not None:
-                t.actor.sync_engine()
+                self.actor.sync_engine()

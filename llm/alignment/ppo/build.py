@@ -1,9 +1,11 @@
-"""Build the PPO roles and the trainer from a ``PPOConfig``.
+"""Build the PPO roles and the trainer from a ``PPOConfig`` and its ``PPOContext`` (context.py: the tokenizers,
+loaded once, and the values derived from them; the config is never written).
 
-Each role is built by ``build_role(config, name)`` in the process that will run it: this one by
-default, or a Ray actor (ray_roles.py, which is handed ``build_role``). Seeded random initialisation
-(``init_from_config``) makes a role built in another process hold the same weights as one built here.
-The reward is whatever ``reward.type`` names in the reward registry (rewards/).
+Each role is built by ``build_role(config, name, run=context)`` in the process that will run it: this one by
+default, or a Ray actor (ray_roles.py, which is handed ``build_role`` with the context). Seeded random
+initialisation (``init_from_config``) makes a role built in another process hold the same weights as one built
+here. The reward is whatever ``reward.type`` names in the reward registry (rewards/). ``ppo_trainer(config)`` runs
+the whole sequence (context, prompts, roles, trainer), as ``run_ppo.py`` does.
 
 For models already in memory (tests, benchmarks, notebooks), ``build_from_models`` is the programmatic
 constructor: the same roles, optimizers and update settings without checkpoints or a config file's models.
@@ -12,33 +14,44 @@ constructor: the same roles, optimizers and update settings without checkpoints 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator
 
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from llm.alignment.ppo.loading import Place, actor_tokenizer, load, offload_idle, optimizer_for
+from llm.alignment.ppo.context import PPOContext
+from llm.alignment.ppo.loading import Place, load, offload_idle, optimizer_for
 from llm.alignment.ppo.lora import ActorBase, with_lora
 from llm.alignment.ppo.prompts import Prompt, prompts_from_records
 from llm.alignment.ppo.rewards import ORMReward, RewardFunction, reward_type, same_vocabulary
 from llm.alignment.ppo.roles import ActorRole, CriticRole, PolicyModel
 from llm.alignment.ppo.trainer import PPOTrainer
 from llm.alignment.ppo.update import PolicyUpdate, ValueUpdate
-from llm.data.encoding import resolve_chat_template
 from llm.data.readers import load_dataset_records
 from llm.settings.ppo import PPOConfig, shares_actor_base
 from llm.utils.errors import UserError
-from llm.utils.modeling import load_tokenizer
+from llm.utils.modeling import load_config
 from llm.utils.paths import resolve_paths
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Place", "build_from_models", "build_ppo", "build_role", "load_prompts", "placed_roles", "role_names"]
+__all__ = [
+    "PPOContext",
+    "Place",
+    "build_from_models",
+    "build_ppo",
+    "build_role",
+    "load_prompts",
+    "placed_roles",
+    "ppo_trainer",
+    "role_names",
+]
 
 
-def build_reward(c: PPOConfig, place: Place) -> RewardFunction:
+def build_reward(c: PPOConfig, place: Place, run: PPOContext) -> RewardFunction:
     """The registered reward type ``reward.type`` (rewards/), built by its ``from_config``."""
-    return reward_type(c.reward.type).build(c, place)
+    return reward_type(c.reward.type).build(c, place, run)
 
 
 def policy_update(c: PPOConfig) -> PolicyUpdate:
@@ -69,8 +82,8 @@ def chunked_by(c: PPOConfig, role):
     return role
 
 
-def build_actor(c: PPOConfig, place: Place) -> ActorRole:
-    a, tok = c.actor_rollout, actor_tokenizer(c)
+def build_actor(c: PPOConfig, place: Place, run: PPOContext) -> ActorRole:
+    a, tok = c.actor_rollout, run.tokenizer
     model = load(c, AutoModelForCausalLM, a.model_name_or_path, a.init_from_config, tok, place, True)
     model = with_lora(c, "actor_rollout", model)
     micro = c.micro("actor_rollout")
@@ -91,29 +104,26 @@ def attach_engine(c: PPOConfig, actor: ActorRole) -> None:
         actor.sync_engine()
 
 
-def build_ref(c: PPOConfig, place: Place, roles: dict | None = None) -> PolicyModel:
+def build_ref(c: PPOConfig, place: Place, run: PPOContext, roles: dict | None = None) -> PolicyModel:
     """The frozen SFT model: the actor's own checkpoint (or seeded config) unless ``ref`` names another. A LoRA
     actor's own base is the actor's model with the adapter disabled (lora.py), found in ``roles`` (this
     process's roles by name, the actor's among them by the time a call comes)."""
-    a, tok = c.actor_rollout, actor_tokenizer(c)
+    a, tok = c.actor_rollout, run.tokenizer
     if shares_actor_base(c):
         logger.info("ref: the LoRA actor's own model with the adapter disabled (no second copy)")
         return chunked_by(c, ActorBase({} if roles is None else roles, tok, a.temperature, c.micro("ref")))
     path = c.ref.model_name_or_path or a.model_name_or_path
     from_config = a.init_from_config if path == a.model_name_or_path else c.ref.init_from_config
     model = load(c, AutoModelForCausalLM, path, from_config, tok, place, False, c.ref.dtype)
-    if (
-        path != a.model_name_or_path
-        and model.config.vocab_size != AutoConfig.from_pretrained(a.model_name_or_path).vocab_size
-    ):
+    if path != a.model_name_or_path and model.config.vocab_size != load_config(a.model_name_or_path).vocab_size:
         raise UserError("ref and actor_rollout models have different vocabularies: the reference must be the SFT model")
     ref = chunked_by(c, PolicyModel(model, tok, a.temperature, c.micro("ref")))
     return offload_idle(c, ref, model, "ref", place, ("log_probs",))
 
 
-def build_rollout(c: PPOConfig, place: Place) -> PolicyModel:
+def build_rollout(c: PPOConfig, place: Place, run: PPOContext) -> PolicyModel:
     """A generation copy of the actor: the actor's initial weights, then whatever ``sync_from`` sends."""
-    a, tok = c.actor_rollout, actor_tokenizer(c)
+    a, tok = c.actor_rollout, run.tokenizer
     model = load(c, AutoModelForCausalLM, a.model_name_or_path, a.init_from_config, tok, place, False)
     if a.rollout_engine == "vllm":  # the rollout copy is a vLLM engine on its own devices
         from llm.alignment.ppo.vllm_rollout import engine_for
@@ -124,15 +134,15 @@ def build_rollout(c: PPOConfig, place: Place) -> PolicyModel:
     return PolicyModel(model, tok, a.temperature, c.micro("rollout"), a.gather_weights_for_generation)
 
 
-def build_critic(c: PPOConfig, place: Place) -> CriticRole:
+def build_critic(c: PPOConfig, place: Place, run: PPOContext) -> CriticRole:
     """Initialised from the reward model when its type has a value head (an ORM: its backbone and head),
     else from the actor."""
-    tok = actor_tokenizer(c)
+    tok = run.tokenizer
     r = c.reward
     from_reward = reward_type(r.type).value_head
     if c.critic.model_name_or_path:
         path, from_config = c.critic.model_name_or_path, c.critic.init_from_config
-    elif from_reward and same_vocabulary(load_tokenizer(r.tokenizer_name_or_path or r.model_name_or_path), tok):
+    elif from_reward and same_vocabulary(run.reward_tokenizer, tok):
         path, from_config = r.model_name_or_path, r.init_from_config
     else:
         if from_reward:  # the critic reads the actor's token ids: a reward model of another vocabulary cannot
@@ -172,30 +182,41 @@ def role_names(c: PPOConfig) -> list[str]:
 IN_PROCESS = Place()  # the default place: this process, on the CPU
 
 
-def build_role(c: PPOConfig, name: str, place: Place = IN_PROCESS, built: dict | None = None):
+def build_role(c: PPOConfig, name: str, place: Place = IN_PROCESS, built: dict | None = None, *, run: PPOContext):
     """Role ``name`` on ``place``; ``built``: the roles of this process by name (a LoRA actor's reference
-    reads the actor's model from there)."""
-    role = BUILDERS[name](c, place, built) if name == "ref" else BUILDERS[name](c, place)
+    reads the actor's model from there); ``run``: the run's context (its tokenizers)."""
+    role = BUILDERS[name](c, place, run, built) if name == "ref" else BUILDERS[name](c, place, run)
     logger.info("built role %s (%s) on %s", name, type(role).__name__, place)
     return role
 
 
 @contextlib.contextmanager
-def placed_roles(c: PPOConfig) -> Iterator[dict]:
+def placed_roles(c: PPOConfig, run: PPOContext) -> Iterator[dict]:
     """The roles by name: built here by default, or Ray proxies (ended, with their actors, on exit)."""
     if not c.resource_pool.use_ray:
         roles: dict = {}
         for name in role_names(c):
-            roles[name] = build_role(c, name, IN_PROCESS, roles)
+            roles[name] = build_role(c, name, IN_PROCESS, roles, run=run)
         yield roles
         return
     from llm.alignment.ppo.ray_roles import ray_roles  # Ray only when the config asks for it
 
-    with ray_roles(c, role_names(c), build_role) as roles:
+    # each worker builds its roles with a copy of the context: the tokenizers travel, nothing is loaded twice
+    with ray_roles(c, role_names(c), functools.partial(build_role, run=run)) as roles:
         yield roles
 
 
-def load_prompts(c: PPOConfig, map_keys: dict[str, str] | None = None) -> list[Prompt]:
+@contextlib.contextmanager
+def ppo_trainer(c: PPOConfig) -> Iterator[PPOTrainer]:
+    """The trainer of ``c`` over its placed roles (ended on exit): ``run_ppo.py``'s sequence without the resume,
+    for tests, benchmarks and notebooks."""
+    run = PPOContext.load(c)
+    prompts = load_prompts(c, run)
+    with placed_roles(c, run) as roles:
+        yield build_ppo(c, prompts, roles, run)
+
+
+def load_prompts(c: PPOConfig, run: PPOContext, map_keys: dict[str, str] | None = None) -> list[Prompt]:
     """The prompt file tokenised with the actor's tokenizer; a bad record stops the run before any model loads.
     ``map_keys`` (default ``data.map_keys``) renames the records' columns as they are read (``llm.data.readers``).
     A missing prompt file stops here, naming the directories it was looked for in."""
@@ -203,10 +224,7 @@ def load_prompts(c: PPOConfig, map_keys: dict[str, str] | None = None) -> list[P
     paths = resolve_paths(d.train_dataset_path, "data.train_dataset_path", c.source or "config")
     keys = d.map_keys if map_keys is None else map_keys
     records = list(load_dataset_records(paths, "prompt", probs=d.dataset_probs, seed=t.seed, map_keys=keys))
-    tokenizer = actor_tokenizer(c)
-    # the effective choice, kept in the config for the run fingerprint (unset: the actor tokenizer decides)
-    d.use_chat_template = resolve_chat_template(d.use_chat_template, tokenizer, "data.use_chat_template")
-    return prompts_from_records(records, tokenizer, c.actor_rollout.max_prompt_length, d.use_chat_template)
+    return prompts_from_records(records, run.tokenizer, c.actor_rollout.max_prompt_length, run.use_chat_template)
 
 
 def build_from_models(
@@ -248,8 +266,8 @@ def build_from_models(
     )
 
 
-def build_ppo(c: PPOConfig, prompts: list[Prompt], roles: dict) -> PPOTrainer:
-    """The trainer over ``roles`` (from ``placed_roles``)."""
+def build_ppo(c: PPOConfig, prompts: list[Prompt], roles: dict, run: PPOContext) -> PPOTrainer:
+    """The trainer over ``roles`` (from ``placed_roles``), its checkpoints fingerprinted by ``run``."""
     logger.info(
         "PPO: %d prompts; roles %s (%s); reward %s; advantages %s",
         len(prompts),
@@ -261,12 +279,13 @@ def build_ppo(c: PPOConfig, prompts: list[Prompt], roles: dict) -> PPOTrainer:
     trainer = PPOTrainer(
         c,
         prompts,
-        actor_tokenizer(c),
+        run.tokenizer,
         roles["actor_rollout"],
         roles["reward"],
         roles["ref"],
         roles.get("critic"),
         roles.get("rollout"),
+        fingerprint=run.fingerprint,
     )
     if trainer.rollout_copy is not None and c.actor_rollout.lora_path:
         trainer.rollout_copy.sync_from(trainer.actor)  # the copy loaded the base: send it base + the loaded adapter

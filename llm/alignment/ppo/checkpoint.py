@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
 from llm.alignment.ppo.fsdp import FULL, first_rank
 from llm.utils.checkpoints import load_tree, read_safetensors, save_tree
+from llm.utils.disk_full import disk_full_as_error
 from llm.utils.errors import UserError
 from llm.utils.lora import is_peft_model, save_merged
 
@@ -31,15 +32,16 @@ def save(
     """``model`` (+ ``tokenizer``) in ``directory``; with ``optimizer_state`` (a checkpoint) also that state and
     the scheduler's; with ``merged`` (a LoRA role's ``lora_merge``) also ``directory/merged``, the base with the
     adapter merged in. Every rank of an FSDP2 group calls this (the gathers are collective); the first writes."""
-    model.save_pretrained(directory)
-    if merged and is_peft_model(model) and first_rank():
-        save_merged(model, directory, tokenizer)
-    optimizer = optimizer_state() if optimizer_state is not None else None
-    if not first_rank():
-        return
-    tokenizer.save_pretrained(directory)
-    if optimizer is not None:
-        save_tree(directory, OPTIMIZER_STATE, {"optimizer": optimizer, "scheduler": scheduler.state_dict()})
+    with disk_full_as_error(directory):  # a role on Ray: a DiskFull reaches the driver as itself
+        model.save_pretrained(directory)
+        if merged and is_peft_model(model) and first_rank():
+            save_merged(model, directory, tokenizer)
+        optimizer = optimizer_state() if optimizer_state is not None else None
+        if not first_rank():
+            return
+        tokenizer.save_pretrained(directory)
+        if optimizer is not None:
+            save_tree(directory, OPTIMIZER_STATE, {"optimizer": optimizer, "scheduler": scheduler.state_dict()})
 
 
 def load_weights(model, directory: str) -> None:

@@ -1,5 +1,5 @@
 """DAPO's overlong reward shaping and dynamic sampling (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement
-Learning System at Scale", arXiv 2503.14476, section 3.2 and 3.4), and the prompt stream they draw from.
+Learning System at Scale", arXiv 2503.14476, section 3.2 and 3.4), the latter a rollout source (``DynamicSampling``).
 
 Overlong reward shaping (``reward.overlong_buffer_len`` > 0), the paper's eq. (13), with ``L_max`` =
 ``actor_rollout.max_response_length`` and ``L_cache`` = ``reward.overlong_buffer_len``::
@@ -26,8 +26,10 @@ A full batch keeps its first ``rollout_batch_size`` groups (the surplus is disca
 the step trains on the groups it has (a warning line), cut to the most whole groups that
 ``ppo_mini_batch_size`` divides; with none left the update of that step is skipped (a warning line). Extra
 prompts come from the same seeded stream (``prompt_stream``) and their count is saved in the checkpoint
-(``extra_prompts``), so a resumed run draws exactly the prompts of an uninterrupted one; round ``r`` of a step
-samples with the step's seed plus ``r * ROUND_SEED_STRIDE``.
+(``extra_prompts``, kept by ``prompts.PromptStream``), so a resumed run draws exactly the prompts of an
+uninterrupted one; round ``r`` of a step samples with the step's seed plus ``r * ROUND_SEED_STRIDE``. Dynamic
+sampling is a rollout source around another (``DynamicSampling``, rollout.py): it asks the inner source for more
+rounds and returns the groups to train on, or a batch marked ``update=False`` when none is left.
 
 Where verl (``recipe/dapo/dapo_ray_trainer.py``) differs: it compares the groups on a chosen metric
 (``filter_groups.metric``: ``acc``, the reward before the overlong punishment, in its DAPO recipe; or
@@ -49,19 +51,17 @@ left) with dynamic sampling.
 from __future__ import annotations
 
 import logging
-import random
-import time
-from typing import Any
 
 import torch
 
-from llm.alignment.ppo.interfaces import Scored
+from llm.alignment.ppo.interfaces import Samples, Scored
+from llm.alignment.ppo.prompts import PromptStream
+from llm.alignment.ppo.rollout import ROUND_SEED_STRIDE, RolloutBatch, RolloutSource
 from llm.settings.ppo import PPOConfig
-from llm.utils.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-ROUND_SEED_STRIDE = 1_000_000_007  # round r of a step samples with the step's seed + r * this (no step reaches it)
+__all__ = ["DAPO", "ROUND_SEED_STRIDE", "DynamicSampling", "informative_groups", "overlong_punishment", "select_scored"]
 
 
 def overlong_punishment(
@@ -84,22 +84,6 @@ def informative_groups(outcomes: torch.Tensor, group_size: int) -> list[int]:
     return (grouped.amax(1) != grouped.amin(1)).nonzero().flatten().tolist()
 
 
-def prompt_stream(n_prompts: int, position: int, count: int, seed: int, shuffle: bool) -> list[int]:
-    """Prompts ``position .. position + count - 1`` of the run's stream: pass ``e`` over the ``n_prompts``
-    prompts is a permutation seeded with ``seed + e`` (file order without ``shuffle``, MindSpeed's no_shuffle),
-    so any stretch of it depends only on its position."""
-    out: list[int] = []
-    while len(out) < count:
-        epoch, offset = divmod(position, n_prompts)
-        order = list(range(n_prompts))
-        if shuffle:
-            random.Random(seed + epoch).shuffle(order)
-        take = min(count - len(out), n_prompts - offset)
-        out += order[offset : offset + take]
-        position += take
-    return out
-
-
 def _pad(t: torch.Tensor | None, width: int) -> torch.Tensor | None:
     if t is None or t.dim() < 2:
         return t
@@ -118,16 +102,7 @@ def select_scored(parts: list[tuple[Scored, list[int]]]) -> Scored:
     padded with zeros to the longest kept response (a field None in any part is None)."""
     samples = [s.samples.select(idx) for s, idx in parts]
     width = max((len(r) for x in samples for r in x.response_ids), default=0)
-    merged = samples[0]
-    for x in samples[1:]:
-        merged = type(merged)(
-            merged.prompt_ids + x.prompt_ids,
-            merged.response_ids + x.response_ids,
-            merged.prompts + x.prompts,
-            merged.responses + x.responses,
-            merged.references + x.references,
-            torch.cat([merged.ended, x.ended]),
-        )
+    merged = Samples.concat(samples)
 
     def field(name: str):
         return _cat([None if getattr(s, name) is None else getattr(s, name)[idx] for s, idx in parts], width)
@@ -137,34 +112,16 @@ def select_scored(parts: list[tuple[Scored, list[int]]]) -> Scored:
         *(field(name) for name in ("mask", "logprobs", "ref_logprobs", "values", "kl", "scores", "raw_scores")),
         field("dense"),
         field("is_weights"),
+        field("env_rewards"),
     )
 
 
 class DAPO:
-    """The trainer's DAPO hooks (``PPOTrainer.dapo``) and what they keep between steps: ``extra_prompts``, the
-    prompts the extra rounds of dynamic sampling drew so far (saved in the checkpoint), and the round of the
-    step in progress (its sampling seed)."""
+    """DAPO's overlong reward shaping (``punish``, ``metrics``) and the batch cut of dynamic sampling
+    (``trainable_groups``), as the config sets them."""
 
     def __init__(self, config: PPOConfig) -> None:
         self.c = config
-        self.extra_prompts = 0
-        self.round = 0
-        self.last: dict[str, float] = {}  # the sampling metrics of the latest step
-
-    @property
-    def filter_groups(self) -> bool:
-        return self.c.algorithm.filter_groups
-
-    @property
-    def seed_shift(self) -> int:
-        return self.round * ROUND_SEED_STRIDE
-
-    def prompt_indices(self, n_prompts: int, step: int) -> list[int]:
-        """The prompts of ``step``'s first round (or, during refill, of its current round)."""
-        size = self.c.data.rollout_batch_size
-        return prompt_stream(
-            n_prompts, step * size + self.extra_prompts, size, self.c.training.seed, self.c.data.shuffle
-        )
 
     def punish(self, scores: torch.Tensor, samples) -> torch.Tensor:
         """``scores`` plus the overlong punishment of each sample (unchanged with ``overlong_buffer_len`` 0)."""
@@ -178,8 +135,8 @@ class DAPO:
         return scores + penalty.to(scores.dtype)
 
     def metrics(self, scored: Scored) -> dict[str, float]:
-        """The step's DAPO metrics (module docstring); empty with both parts off."""
-        out = dict(self.last) if self.filter_groups else {}
+        """The step's overlong-shaping metrics (module docstring); empty with the shaping off."""
+        out = {}
         rw = self.c.reward
         if rw.overlong_buffer_len:
             lengths = torch.tensor([len(r) for r in scored.samples.response_ids], dtype=torch.float32)
@@ -188,81 +145,6 @@ class DAPO:
             out["dapo/overlong_penalty"] = penalty.mean().item()
             out["dapo/overlong_frac"] = (lengths > max_length - rw.overlong_buffer_len).float().mean().item()
         return out
-
-    def state(self) -> dict:
-        return {"extra_prompts": self.extra_prompts}
-
-    def load_state(self, state: dict) -> None:
-        """From ``trainer_state.json``; a checkpoint written before dynamic sampling drew none."""
-        try:
-            self.extra_prompts = int(state.get("dapo", {}).get("extra_prompts", 0))
-        except (AttributeError, TypeError, ValueError) as err:
-            raise UserError(
-                f"trainer_state.json: dapo.extra_prompts is not a count ({err}); the checkpoint is damaged"
-            ) from None
-
-    @staticmethod
-    def outcomes(s: Scored) -> torch.Tensor:
-        """What the groups are compared on: the shaped score, plus the PRM step rewards when there are some."""
-        return s.scores if s.dense is None else s.scores + (s.dense * s.mask).sum(1)
-
-    def refill(
-        self, trainer: Any, scored: Scored, rollout_logprobs: torch.Tensor | None, t0: float
-    ) -> tuple[Scored, torch.Tensor | None, dict | None]:
-        """Dynamic sampling after the step's first rollout was scored (``trainer``: the ``PPOTrainer``): ``(scored, rollout_logprobs, None)`` of the
-        groups to train on, or ``(..., metrics)`` of a step whose update is skipped (no group left; the trainer
-        returns those metrics)."""
-        size, cap = self.c.data.rollout_batch_size, self.c.algorithm.max_num_gen_batches
-        n = self.c.actor_rollout.num_samples_per_step
-        parts: list[tuple[Scored, list[int], torch.Tensor | None]] = []  # each round's kept samples
-        everything = []
-        kept = dropped = 0
-        rounds = 1
-        while True:
-            groups = informative_groups(self.outcomes(scored), n)
-            dropped += len(scored.samples) // n - len(groups)
-            kept += len(groups)
-            parts.append((scored, [g * n + k for g in groups for k in range(n)], rollout_logprobs))
-            everything.append((scored, list(range(len(scored.samples)))))
-            if kept >= size or rounds >= cap:
-                break
-            rounds += 1
-            self.extra_prompts += size  # the next prompts of the stream, counted in the checkpoint
-            self.round = rounds - 1
-            try:
-                samples, rollout_logprobs = trainer.rollout(trainer.prompt_indices(trainer.step))
-            finally:
-                self.round = 0
-            scored = trainer.score(samples, rollout_logprobs if trainer.reuses_rollout_log_probs else None)
-        use = self.trainable_groups(min(kept, size), trainer.step)
-        self.last = {
-            "dapo/gen_rounds": float(rounds),
-            "dapo/groups_kept": float(use),
-            "dapo/groups_dropped": float(dropped),
-            "dapo/groups_surplus": float(kept - use),
-            "dapo/update_skipped": float(use == 0),
-        }
-        if kept < size:
-            logger.warning(
-                "DAPO dynamic sampling, step %d: %d of data.rollout_batch_size=%d groups have unequal rewards after "
-                "algorithm.max_num_gen_batches=%d generation rounds (%d all-equal groups dropped): %s",
-                trainer.step + 1,
-                kept,
-                size,
-                cap,
-                dropped,
-                f"training on {use} groups" if use else "no update this step",
-            )
-        if use == 0:
-            return scored, None, self.skip(trainer, select_scored(everything), t0)
-        chosen, left = [], use * n  # the first ``use`` groups, in the order they were generated
-        for s, idx, logprobs in parts:
-            chosen.append((s, idx[:left], logprobs))
-            left -= len(chosen[-1][1])
-        out = select_scored([(s, idx) for s, idx, _ in chosen])
-        width = out.mask.shape[1]
-        logprobs = _cat([None if lp is None else lp[idx] for _, idx, lp in chosen], width)
-        return out, logprobs, None
 
     def trainable_groups(self, groups: int, step: int) -> int:
         """``groups``, or when ``ppo_mini_batch_size`` does not divide their samples the most whole groups whose
@@ -293,19 +175,78 @@ class DAPO:
         )
         return groups
 
-    def skip(self, trainer: Any, scored: Scored, t0: float) -> dict:
-        """A step without an update: every group's rewards were equal. Its samples are logged (with their zero
-        advantages) and the step counts; the models, optimizers and KL controller stay as they are."""
-        trainer.last_experience = trainer.advantages(scored)
-        mask = scored.mask
-        trainer.step += 1
-        return {
-            "score": scored.raw_scores.mean().item(),
-            "score_shaped": scored.scores.mean().item(),
-            "kl": (scored.kl * mask).sum(1).mean().item(),
-            "kl_coef": trainer.kl_ctl.value,
-            "response_length": mask.sum(1).mean().item(),
-            "eos_rate": scored.samples.ended.float().mean().item(),
-            **self.metrics(scored),
-            "time/step": time.perf_counter() - t0,
+
+def outcomes(s: Scored) -> torch.Tensor:
+    """What the groups are compared on: the shaped score, plus the PRM step rewards and a multi-turn episode's
+    environment rewards when there are some."""
+    out = s.scores if s.dense is None else s.scores + (s.dense * s.mask).sum(1)
+    return out if s.env_rewards is None else out + (s.env_rewards * s.mask).sum(1)
+
+
+class DynamicSampling:
+    """DAPO's dynamic sampling as a rollout source around ``inner`` (module docstring): all-equal groups out,
+    more rounds of prompts in, up to ``algorithm.max_num_gen_batches`` rounds."""
+
+    def __init__(self, inner: RolloutSource, config: PPOConfig, stream: PromptStream) -> None:
+        self.inner, self.c, self.stream = inner, config, stream
+        self.dapo = DAPO(config)
+
+    def collect(self, step: int, round: int = 0) -> RolloutBatch:
+        """Step ``step``'s groups to train on, with ``dapo/...`` metrics; ``update=False`` when none is left."""
+        size, cap = self.c.data.rollout_batch_size, self.c.algorithm.max_num_gen_batches
+        n = self.c.actor_rollout.num_samples_per_step
+        parts: list[tuple[Scored, list[int], torch.Tensor | None]] = []  # each round's kept samples
+        everything = []
+        kept = dropped = 0
+        rounds = 1
+        seconds = {"time/rollout": 0.0, "time/score": 0.0}
+        while True:
+            batch = self.inner.collect(step, rounds - 1)
+            for key in seconds:
+                seconds[key] += batch.metrics.get(key, 0.0)
+            scored = batch.scored
+            groups = informative_groups(outcomes(scored), n)
+            dropped += len(scored.samples) // n - len(groups)
+            kept += len(groups)
+            parts.append((scored, [g * n + k for g in groups for k in range(n)], batch.behaviour_logprobs))
+            everything.append((scored, list(range(len(scored.samples)))))
+            if kept >= size or rounds >= cap:
+                break
+            rounds += 1
+            self.stream.draw_more()  # the next prompts of the stream, counted in the checkpoint
+        use = self.dapo.trainable_groups(min(kept, size), step)
+        metrics = {
+            "dapo/gen_rounds": float(rounds),
+            "dapo/groups_kept": float(use),
+            "dapo/groups_dropped": float(dropped),
+            "dapo/groups_surplus": float(kept - use),
+            "dapo/update_skipped": float(use == 0),
+            **seconds,
         }
+        if kept < size:
+            logger.warning(
+                "DAPO dynamic sampling, step %d: %d of data.rollout_batch_size=%d groups have unequal rewards after "
+                "algorithm.max_num_gen_batches=%d generation rounds (%d all-equal groups dropped): %s",
+                step + 1,
+                kept,
+                size,
+                cap,
+                dropped,
+                f"training on {use} groups" if use else "no update this step",
+            )
+        if use == 0:  # logged with its zero advantages; the step counts, nothing is updated
+            return RolloutBatch(select_scored(everything), None, metrics, update=False)
+        chosen, left = [], use * n  # the first ``use`` groups, in the order they were generated
+        for s, idx, logprobs in parts:
+            chosen.append((s, idx[:left], logprobs))
+            left -= len(chosen[-1][1])
+        out = select_scored([(s, idx) for s, idx, _ in chosen])
+        width = out.mask.shape[1]
+        logprobs = _cat([None if lp is None else lp[idx] for _, idx, lp in chosen], width)
+        return RolloutBatch(out, logprobs, metrics)
+
+    def after_update(self, step: int) -> None:
+        self.inner.after_update(step)
+
+    def close(self, finished: bool) -> None:
+        self.inner.close(finished)

@@ -81,6 +81,7 @@ def generate(
     seed: int | None = None,
     with_log_probs: bool = False,
     gather_for_generation: bool = True,
+    synced: bool | None = None,
     stop: str | None = None,
 ):
     """Responses (with EOS if generated, without padding), ``num_samples`` per prompt, consecutive;
@@ -89,9 +90,12 @@ def generate(
 
     ``seed`` reseeds torch's generator here, in the process that samples, so the responses do not
     depend on where the role runs. ``gather_for_generation``: in an FSDP2 group, full weights once per
-    call (``gathered_for_decoding``) instead of at every decoding step. ``stop``: a text that also ends a response
-    (transformers' ``stop_strings``: the response ends with the token that completes it, which may run past it;
-    the PRM-guided search cuts there)."""
+    call (``gathered_for_decoding``) instead of at every decoding step. ``synced``: whether the ranks of the
+    process group generate in step (a model sharded over them); None: when there is a group of several
+    (``sharded()``); False: every rank holds a model of its own (``llm/run_label.py`` under torchrun).
+    ``stop``: a text that also ends a response (transformers' ``stop_strings``: the response ends with the token
+    that completes it, which may run past it; the PRM-guided search cuts there)."""
+    synced = sharded() if synced is None else synced
     if seed is not None:
         torch.manual_seed(seed)
     width = max(len(p) for p in prompt_ids)
@@ -109,8 +113,8 @@ def generate(
     recorder = SampledLogProbs(model, temperature) if with_log_probs else contextlib.nullcontext()
     # inference_mode: ~15% less per-op overhead than no_grad in the decoding loop on CPU. Not in an
     # FSDP2 group, whose all-gathered parameters must stay usable by the training forwards after.
-    mode = contextlib.nullcontext() if sharded() else torch.inference_mode()
-    gathered = gathered_for_decoding(model, gather_for_generation and sharded())
+    mode = contextlib.nullcontext() if synced else torch.inference_mode()
+    gathered = gathered_for_decoding(model, gather_for_generation and synced)
     with standard_attention(model), recorder, mode, gathered:
         out = model.generate(
             input_ids=ids.to(device),
@@ -123,7 +127,7 @@ def generate(
             num_return_sequences=num_samples,
             eos_token_id=None if ignore_eos else tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
-            synced_gpus=sharded(),  # FSDP2 ranks step together until every rank has finished
+            synced_gpus=synced,  # FSDP2 ranks step together until every rank has finished
             **({"stop_strings": [stop], "tokenizer": tok} if stop else {}),
         )
     model.train(was_training)

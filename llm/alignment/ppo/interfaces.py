@@ -21,9 +21,21 @@ class RoleFailure(UserError):
     """A role stopped answering: its process died, or a call ran past its timeout. Names the role."""
 
 
+# the optional multi-turn fields of ``Samples``, each a list with one entry per sample (None: single-turn samples)
+EPISODE_FIELDS = ("action_mask", "turn_ends", "turn_rewards", "episodes")
+
+
 @dataclass
 class Samples:
-    """One rollout: token ids and texts per sample (``num_samples_per_step`` consecutive per prompt)."""
+    """One rollout: token ids and texts per sample (``num_samples_per_step`` consecutive per prompt).
+
+    A multi-turn episode's response is everything after the prompt: the model's turn 1, the tokens the loop
+    appended (environment / tool messages, template tokens between turns), turn 2, ...; its first and last tokens
+    are the model's. ``action_mask`` then holds one int per response token (1: sampled by the policy, trained;
+    0: appended by the loop), ``turn_ends`` the index in ``response_ids`` of each model turn's last token
+    (ascending), ``turn_rewards`` the environment's reward after each model turn (0.0 where it gave none; as
+    long as ``turn_ends``), ``episodes`` a JSON-able record per sample for samples.jsonl (turns, cut, errors,
+    env_seconds). All four are None for single-turn samples, which behave exactly as before they existed."""
 
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]  # up to and including EOS when one was generated
@@ -31,22 +43,77 @@ class Samples:
     responses: list[str]
     references: list[str | None]
     ended: torch.Tensor  # (B,) bool: the response ended with EOS
+    action_mask: list[list[int]] | None = None
+    turn_ends: list[list[int]] | None = None
+    turn_rewards: list[list[float]] | None = None
+    episodes: list[dict] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.response_ids)
+        for name in EPISODE_FIELDS:
+            value = getattr(self, name)
+            if value is not None and len(value) != n:
+                raise ValueError(f"Samples.{name} has {len(value)} entries for {n} samples")
+        for i, response in enumerate(self.response_ids):
+            if self.action_mask is not None and len(self.action_mask[i]) != len(response):
+                raise ValueError(
+                    f"Samples.action_mask[{i}] has {len(self.action_mask[i])} entries for "
+                    f"{len(response)} response tokens"
+                )
+            mask = None if self.action_mask is None else self.action_mask[i]
+            if mask is not None and any(m not in (0, 1) for m in mask):
+                raise ValueError(f"Samples.action_mask[{i}]: 1 (a model token) or 0 (appended by the loop) per token")
+            ends = None if self.turn_ends is None else self.turn_ends[i]
+            if ends and mask is not None and any(mask[e] != 1 for e in ends if 0 <= e < len(mask)):
+                raise ValueError(f"Samples.turn_ends[{i}]={ends}: a turn ends on a model token (action_mask 1)")
+            if ends is not None and (ends != sorted(ends) or any(not 0 <= e < len(response) for e in ends)):
+                raise ValueError(f"Samples.turn_ends[{i}]={ends}: ascending indices of response tokens")
+            if self.turn_rewards is not None and len(self.turn_rewards[i]) != len(ends or ()):
+                raise ValueError(f"Samples.turn_rewards[{i}] needs one reward per turn_ends entry")
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
 
     def select(self, idx: list[int]) -> Samples:
+        def pick(values):
+            return None if values is None else [values[i] for i in idx]
+
         return Samples(
-            [self.prompt_ids[i] for i in idx],
-            [self.response_ids[i] for i in idx],
-            [self.prompts[i] for i in idx],
-            [self.responses[i] for i in idx],
-            [self.references[i] for i in idx],
+            pick(self.prompt_ids),
+            pick(self.response_ids),
+            pick(self.prompts),
+            pick(self.responses),
+            pick(self.references),
             self.ended[idx],
+            *(pick(getattr(self, name)) for name in EPISODE_FIELDS),
+        )
+
+    @staticmethod
+    def concat(parts: list[Samples]) -> Samples:
+        """The samples of ``parts`` one after another (a multi-turn field must be set in all parts or in none)."""
+        fields = {}
+        for name in EPISODE_FIELDS:
+            values = [getattr(p, name) for p in parts]
+            if any(v is None for v in values) and not all(v is None for v in values):
+                raise ValueError(f"Samples.concat: {name} is set in some parts only")
+            fields[name] = None if values[0] is None else [x for v in values for x in v]
+        lists = ("prompt_ids", "response_ids", "prompts", "responses", "references")
+        return Samples(
+            *([x for p in parts for x in getattr(p, name)] for name in lists),
+            torch.cat([p.ended for p in parts]),
+            **fields,
         )
 
     def response_mask(self) -> torch.Tensor:
+        """``(B, T)`` float, 1.0 on the response tokens the policy is trained on: every response token of a
+        single-turn sample; the model's tokens (``action_mask``) of a multi-turn one. Every loss, KL, entropy and
+        value term, and the advantages, are masked with it."""
         T = max((len(r) for r in self.response_ids), default=0)
+        if self.action_mask is not None:
+            out = torch.zeros(len(self.response_ids), T)
+            for i, m in enumerate(self.action_mask):
+                out[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
+            return out
         lengths = torch.tensor([len(r) for r in self.response_ids])
         return (torch.arange(T)[None, :] < lengths[:, None]).float()
 
@@ -135,7 +202,7 @@ class Reward(Protocol):
 
 @dataclass
 class Scored:
-    """Phase 2's record (``PPOTrainer.score``): the samples with log-probs, values, KL and scores."""
+    """Phase 2's record (``Scoring.score``, scoring.py): the samples with log-probs, values, KL and scores."""
 
     samples: Samples
     mask: torch.Tensor  # (B, T)
@@ -147,6 +214,8 @@ class Scored:
     raw_scores: torch.Tensor  # (B,) as the reward function returned them
     dense: torch.Tensor | None  # (B, T) PRM step rewards
     is_weights: torch.Tensor | None = None  # (B, T) truncated importance weights (rollout_is_cap)
+    # (B, T) the environment's rewards of multi-turn samples (algorithm.turn_reward_tokens), else None
+    env_rewards: torch.Tensor | None = None
 
 
 @dataclass

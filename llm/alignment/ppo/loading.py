@@ -15,7 +15,7 @@ from llm.alignment.ppo.offload import OffloadedTrainableRole, offload_when_idle
 from llm.alignment.ppo.optim import TrainableRole
 from llm.utils.distributed import Layout
 from llm.utils.errors import UserError
-from llm.utils.modeling import load_model, load_tokenizer
+from llm.utils.modeling import load_model
 
 if TYPE_CHECKING:
     from llm.settings.ppo import PPOConfig
@@ -31,11 +31,6 @@ class Place:
 
     device: str = "cpu"
     layout: Layout | None = None
-
-
-def actor_tokenizer(c: PPOConfig):
-    a = c.actor_rollout
-    return load_tokenizer(a.tokenizer_name_or_path or a.model_name_or_path)
 
 
 def model_dtype(c: PPOConfig, frozen: str | None = None) -> torch.dtype:

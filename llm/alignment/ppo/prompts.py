@@ -1,8 +1,9 @@
-"""Prompts for PPO: the prompt file's records tokenised with the actor's tokenizer, and the samples of a
-rollout made from prompts and response token ids."""
+"""Prompts for PPO: the prompt file's records tokenised with the actor's tokenizer, the run's seeded stream of
+them (``PromptStream``), and the samples of a rollout made from prompts and response token ids."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,56 @@ class Prompt:
     ids: list[int]
     text: str
     reference: str | None
+    messages: list[dict] | None = None  # the conversation the ids render (multi-turn episodes render it again)
+    record: dict | None = None  # the prompt record's fields as read (an environment's task)
+
+
+def prompt_stream(n_prompts: int, position: int, count: int, seed: int, shuffle: bool) -> list[int]:
+    """Prompts ``position .. position + count - 1`` of the run's stream: pass ``e`` over the ``n_prompts``
+    prompts is a permutation seeded with ``seed + e`` (file order without ``shuffle``, MindSpeed's no_shuffle),
+    so any stretch of it depends only on its position."""
+    out: list[int] = []
+    while len(out) < count:
+        epoch, offset = divmod(position, n_prompts)
+        order = list(range(n_prompts))
+        if shuffle:
+            random.Random(seed + epoch).shuffle(order)
+        take = min(count - len(out), n_prompts - offset)
+        out += order[offset : offset + take]
+        position += take
+    return out
+
+
+class PromptStream:
+    """Which prompts each step's rollout answers: ``batch_size`` (``data.rollout_batch_size``) a step from one
+    seeded stream (``prompt_stream``). The extra rounds of DAPO's dynamic sampling draw the next ones
+    (``draw_more``), counted in ``extra_prompts``, which the checkpoint keeps: the prompts of a step depend only
+    on its number and the extra prompts drawn before it, so a resumed run draws those of an uninterrupted one."""
+
+    def __init__(self, n_prompts: int, batch_size: int, seed: int, shuffle: bool) -> None:
+        self.n_prompts, self.batch_size, self.seed, self.shuffle = n_prompts, batch_size, seed, shuffle
+        self.extra_prompts = 0
+
+    def indices(self, step: int) -> list[int]:
+        """The prompts of ``step`` (0-based); after ``draw_more``, those of the step's next round."""
+        position = step * self.batch_size + self.extra_prompts
+        return prompt_stream(self.n_prompts, position, self.batch_size, self.seed, self.shuffle)
+
+    def draw_more(self) -> None:
+        """The stream moves on by one batch within the step (an extra generation round)."""
+        self.extra_prompts += self.batch_size
+
+    def state(self) -> dict:
+        return {"extra_prompts": self.extra_prompts}
+
+    def load_state(self, state: dict) -> None:
+        """From ``trainer_state.json``'s ``dapo`` entry; a checkpoint written before dynamic sampling drew none."""
+        try:
+            self.extra_prompts = int(state.get("extra_prompts", 0))
+        except (AttributeError, TypeError, ValueError) as err:
+            raise UserError(
+                f"trainer_state.json: dapo.extra_prompts is not a count ({err}); the checkpoint is damaged"
+            ) from None
 
 
 def make_samples(prompts: list[Prompt], responses: list[list[int]], tok) -> Samples:
@@ -47,7 +98,7 @@ def prompts_from_records(
             too_long.append((rec, len(ids)))
             continue
         text = tokenizer.decode(ids, skip_special_tokens=True)
-        out.append(Prompt(ids, text, rec.reference))
+        out.append(Prompt(ids, text, rec.reference, rec.prompt, rec.fields))
     if too_long:
         rec, n = too_long[0]
         raise UserError(

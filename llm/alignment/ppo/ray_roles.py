@@ -78,8 +78,9 @@ def import_ray():
 
 
 class RoleWorker:
-    """The body of one Ray actor: builds its roles in its own process (``build``: pickled by reference, so the
-    worker imports its module) and runs their methods."""
+    """The body of one Ray actor: builds its roles in its own process (``build``: a module-level function, or a
+    ``functools.partial`` of one, pickled by reference, so the worker imports its module; the partial's arguments
+    travel by value) and runs their methods."""
 
     def __init__(self, config: PPOConfig, build: Callable) -> None:
         self.config, self.build_role = config, build
@@ -327,8 +328,8 @@ def _sigterm_blocked_in_ray_processes() -> Iterator[None]:
 
 @contextlib.contextmanager
 def ray_roles(c: PPOConfig, names: list[str], build: Callable) -> Iterator[dict[str, RemoteRole]]:
-    """Start (or join) Ray, place the workers, build the roles in them with ``build(c, name, place)`` (a
-    module-level function); yield the proxies by role name."""
+    """Start (or join) Ray, place the workers, build the roles in them with ``build(c, name, place, roles)`` (a
+    module-level function, or a partial of one); yield the proxies by role name."""
     ray = import_ray()
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

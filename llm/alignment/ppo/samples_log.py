@@ -1,5 +1,6 @@
 """PPO/GRPO samples a user can read: every ``logging_steps`` step, the first ``training.log_samples`` samples
-(prompt, decoded response, score, reward, KL, ...) go to ``output_dir/samples.jsonl`` and TensorBoard text."""
+(prompt, decoded response, score, reward, KL, ...; a multi-turn episode's environment reward and its record,
+``Samples.episodes``) go to ``output_dir/samples.jsonl`` and TensorBoard text."""
 
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ def sample_rows(exp: Experience, step: int, limit: int) -> list[dict]:
         }
         if s.dense is not None:
             row["step_reward"] = s.dense[i].sum().item()
+        if s.env_rewards is not None:  # a multi-turn episode: its environment rewards, and the episode itself
+            row["env_reward"] = (s.env_rewards[i] * s.mask[i]).sum().item()
+        if samples.episodes is not None:
+            row["episode"] = samples.episodes[i]
         if samples.references[i] is not None:
             row["reference"] = samples.references[i]
         rows.append(row)
@@ -54,6 +59,8 @@ def samples_markdown(rows: list[dict]) -> str:
         parts.append(f"{head}\n\nprompt:\n\n{block(r['prompt'])}\n\nresponse:\n\n{block(r['response'])}")
         if "reference" in r:
             parts[-1] += f"\n\nreference:\n\n{block(r['reference'])}"
+        for turn in r.get("episode", {}).get("turns", []):
+            parts[-1] += f"\n\n{turn.get('role', '?')}:\n\n{block(str(turn.get('text', '')))}"
     return "\n\n---\n\n".join(parts)
 
 

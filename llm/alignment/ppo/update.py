@@ -19,6 +19,7 @@ import torch
 
 from llm.alignment.ppo.fsdp import rank_world
 from llm.alignment.ppo.objectives import Counts
+from llm.settings.registry import LOSS_AGG_MODES, POLICY_LOSSES
 from llm.utils.distributed import share, sum_over_ranks, with_spares
 
 
@@ -32,9 +33,9 @@ class PolicyUpdate:
     entropy_coeff: float = 0.0
     kl_loss_coef: float = 0.0  # > 0: KL to the reference as a loss term (needs PolicyBatch.ref_logprobs)
     kl_penalty: str = "kl"  # the estimator of that loss term
-    policy_loss: str = "vanilla"  # objectives.py: vanilla | dual_clip | gspo | cispo
+    policy_loss: str = POLICY_LOSSES.default  # a registered objective (objectives.py)
     clip_c: float = 3.0  # dual_clip
-    loss_agg_mode: str = "token-mean"  # objectives.py: the policy, entropy and KL terms alike
+    loss_agg_mode: str = LOSS_AGG_MODES.default  # objectives.py: the policy, entropy and KL terms alike
     max_length: int = 1  # seq-mean-token-sum-norm's constant: max_response_length
     mask_truncated: bool = False  # responses without EOS left out of the loss
 

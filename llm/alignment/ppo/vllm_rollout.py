@@ -257,11 +257,13 @@ class VLLMRollout:
 def engine_for(c, model, tokenizer, where: str) -> VLLMRollout:
     """The engine of config ``c`` over ``model`` (the actor's, or the rollout copy's initial weights)."""
     a = c.actor_rollout
+    # an episode of several turns (environment) holds up to max_episode_tokens, prompt and turns together
+    longest = c.environment.max_episode_tokens if c.environment else a.max_prompt_length + a.max_response_length
     return VLLMRollout(
         model,
         tokenizer,
         a.temperature,
-        max_model_len=a.vllm_max_model_len or a.max_prompt_length + a.max_response_length,
+        max_model_len=a.vllm_max_model_len or longest,
         seed=c.training.seed,
         sync_timeout=c.resource_pool.weight_sync_timeout,
         gpu_memory_utilization=a.vllm_gpu_memory_utilization,

@@ -7,9 +7,10 @@ import logging
 
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedTokenizerBase
 
+from llm.alignment.context import RunContext
 from llm.alignment.lm import weights_dtype
 from llm.alignment.recipe import Recipe, build_trainer
-from llm.alignment.rm.data import build_reward_data, reward_tokens
+from llm.alignment.rm.data import build_reward_data
 from llm.alignment.rm.evaluation import AGGREGATIONS
 from llm.alignment.rm.orm_trainer import ORMTrainer
 from llm.alignment.rm.prm_trainer import PRMTrainer
@@ -17,7 +18,7 @@ from llm.alignment.rm.trainer import RewardTrainer
 from llm.data.encoding import add_placeholder_token, single_token_id
 from llm.data.prepare import PackedData
 from llm.data.readers import PRMRecord
-from llm.settings.flat import DataArgument, recompute_mode
+from llm.settings.flat import recompute_mode
 from llm.settings.reward import RewardModelArgument, RewardTrainingArguments
 from llm.utils.errors import UserError
 from llm.utils.lora import quantization_config
@@ -60,7 +61,7 @@ def build_reward_model(
             recompute=recompute_mode(model_args, training_args),
             quantization_config=quantization_config(model_args, training_args),
         )
-        tokens = reward_tokens(model_args)
+        tokens = model_args.label_tokens
         ids = (
             single_token_id(tokenizer, tokens[0], "reward_tokens"),
             single_token_id(tokenizer, tokens[1], "reward_tokens"),
@@ -99,14 +100,25 @@ def check_evaluation_settings(training_args: RewardTrainingArguments) -> None:
 
 
 def check_orm_training_records(train: PackedData | None) -> None:
-    """An ORM trains on pairs only: a best-of-N candidate in its training data (read as ``orm_eval`` when the
-    training and dev paths are the same) stops the run."""
+    """An ORM trains on pairs only: a best-of-N candidate in its training data (read as ``orm_eval`` records)
+    stops the run."""
     found = next((r for r in train.records if isinstance(r, PRMRecord)), None) if train is not None else None
     if found is not None:
         raise UserError(
             f"{found.source}: record {found.index}: is a best-of-N candidate (a solution with answer/correct) in "
             "the training data of an ORM, which trains on preference pairs only. Fix: train on pairs "
             "(train_dataset_path) and give the candidates as dev_dataset_path only"
+        )
+
+
+def check_soft_labels(train: PackedData | None, training_args: RewardTrainingArguments, data_args) -> None:
+    """``soft_labels`` on training records that hold none would train on the hard labels without a word: stop."""
+    if not training_args.soft_labels or train is None or not train.records:  # streamed: nothing to look at first
+        return
+    if all(getattr(r, "soft_labels", None) is None for r in train.records):
+        raise UserError(
+            f"soft_labels is true but no record of train_dataset_path {data_args.train_dataset_path} has "
+            "'soft_labels': train on labels written by llm/run_label.py, or set soft_labels false"
         )
 
 
@@ -124,20 +136,21 @@ class RewardRecipe(Recipe):
         model, self.reward_token_ids = build_reward_model(self.model_args, self.training_args, tokenizer)
         return model
 
-    def read_split(self, path, tokenizer, batch_size, probs=None, lazy=False, max_records=None) -> PackedData:
-        t, d = self.training_args, self.data_args
+    def read_split(self, path, split, batch_size, probs=None, lazy=False, max_records=None) -> PackedData:
+        t, run = self.training_args, self.run
         return build_reward_data(
             path,
-            tokenizer,
+            split,
+            run.tokenizer,
             self.model_args,
-            d,
+            self.data_args,
+            run.encoding,
             t.process_reward,
             batch_size,
             t.seed,
             probs,
             lazy,
-            dev_path=d.dev_dataset_path,
-            max_records=max_records,
+            max_records,
         )
 
     def data_objects(self, train, dev) -> dict:
@@ -184,9 +197,12 @@ class PRMRecipe(RewardRecipe):
     def model_objects(self, model, tokenizer) -> dict:
         return {"reward_token_ids": self.reward_token_ids}
 
+    def data_objects(self, train, dev) -> dict:
+        check_soft_labels(train, self.training_args, self.data_args)
+        return super().data_objects(train, dev)
 
-def build_reward_trainer(
-    model_args: RewardModelArgument, data_args: DataArgument, training_args: RewardTrainingArguments
-) -> tuple[RewardTrainer, PackedData | None, PackedData | None]:
-    recipe = PRMRecipe if training_args.process_reward else ORMRecipe
-    return build_trainer(recipe(model_args, data_args, training_args))
+
+def build_reward_trainer(run: RunContext) -> tuple[RewardTrainer, PackedData | None, PackedData | None]:
+    """``run``: ``RunContext.load(model_args, data_args, training_args)`` of the reward argument types."""
+    recipe = PRMRecipe if run.training_args.process_reward else ORMRecipe
+    return build_trainer(recipe(run))

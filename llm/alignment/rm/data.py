@@ -1,4 +1,4 @@
-"""A reward model's data: its reward tokens, and each split read, tokenised and packed (``build_reward_data``).
+"""A reward model's data: each split read, tokenised and packed (``build_reward_data``).
 
 PRM splits are solutions with a placeholder after every step (``encode_prm``); ORM training splits are preference
 pairs (``encode_pair_for_scores``), and an ORM's dev split may also hold best-of-N candidates
@@ -14,19 +14,13 @@ from transformers import PreTrainedTokenizerBase
 from llm.data.encode_reward import encode_pair_for_scores, encode_prm
 from llm.data.encoding import EncodeConfig, OverlongCounter, fit_prompt, placeholder_token_id, render_prompt, start_ids
 from llm.data.packing import Example, causal_example
-from llm.data.prepare import PackedData, load_packed
+from llm.data.prepare import PackedData, Split, load_packed
 from llm.data.readers import PRMRecord
 from llm.settings.flat import DataArgument
 from llm.settings.reward import RewardModelArgument
-from llm.settings.shared import reward_token_pair
 
 CANDIDATE = 2  # readout_part of an ORM best-of-N candidate's one readout (a pair's: 0 chosen, 1 rejected)
 ORM_STEP_JOIN = "\n"  # an ORM candidate's steps joined as the bundled pairs join a solution's steps
-
-
-def reward_tokens(model_args: RewardModelArgument) -> tuple[str, str]:
-    """``reward_tokens`` as ``(positive, negative)``: how a PRM's step labels are written."""
-    return reward_token_pair(model_args.reward_tokens)
 
 
 def orm_candidate_text(steps: list[str]) -> str:
@@ -76,24 +70,24 @@ def encode_orm_eval(record, tokenizer: PreTrainedTokenizerBase, cfg: EncodeConfi
 
 def build_reward_data(
     path: str,
+    split: Split,
     tokenizer: PreTrainedTokenizerBase,
     model_args: RewardModelArgument,
     data_args: DataArgument,
+    cfg: EncodeConfig,
     process_reward: bool,
     batch_size: int,
     seed: int,
     probs: str | None = None,
     lazy: bool = False,
-    dev_path: str | None = None,
     max_records: int | None = None,
 ) -> PackedData:
-    """Read, validate, tokenise and pack one split (``lazy``: a stream packed on the fly; ``max_records``: the
-    first ones only). An ORM reads its dev split (``path == dev_path``) as ``orm_eval`` records: pairs and
-    best-of-N candidates."""
-    tokens = reward_tokens(model_args)
-    cfg = EncodeConfig(
-        data_args.max_seq_len, data_args.max_prompt_len, data_args.overlong_policy, bool(data_args.use_chat_template)
-    )
+    """Read, validate, tokenise and pack one split (``split``: "train" or "eval"; ``lazy``: a stream packed on the
+    fly; ``max_records``: the first ones only). An ORM reads its splits as ``orm_eval`` records (pairs and best-of-N
+    candidates): the dev split may hold both, and in the training split (in memory) a candidate is then refused by
+    name (``check_orm_training_records``: an ORM trains on pairs) rather than as a malformed pair; a streamed
+    training split is read as pairs."""
+    tokens = model_args.label_tokens
     if process_reward:
         placeholder_id = placeholder_token_id(tokenizer, model_args.placeholder_token, "placeholder_token")
         encode = functools.partial(
@@ -105,7 +99,7 @@ def build_reward_data(
             reward_tokens=tokens,
         )
         kind = "prm"
-    elif path == dev_path and not lazy:
+    elif split == "eval" or not lazy:
         encode, kind = functools.partial(encode_orm_eval, tokenizer=tokenizer, cfg=cfg), "orm_eval"
     else:
         encode, kind = functools.partial(encode_pair_for_scores, tokenizer=tokenizer, cfg=cfg), "pair"

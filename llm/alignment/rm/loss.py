@@ -39,6 +39,19 @@ def step_loss(reward_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(reward_logits.float(), labels, reduction="none", ignore_index=-1)
 
 
+def soft_step_loss(reward_logits: torch.Tensor, labels: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """PRM binary cross-entropy per step against a soft target (Math-Shepherd's soft estimate, OmegaPRM's MC value).
+
+    The model's p(+) is ``softmax([l+, l-])[0] = sigmoid(l+ - l-)``; the target is the step's soft label
+    ``values`` ``(S,)`` where it is finite, else its hard label (1 for '+', 0 for '-'), so a step without a soft
+    label gets exactly ``step_loss``. Labels ``-1`` (no label): loss 0. Returns ``(S,)`` in fp32.
+    """
+    logits = reward_logits.float()
+    target = torch.where(torch.isnan(values), (labels == 0).float(), values.float())
+    loss = F.binary_cross_entropy_with_logits(logits[:, 0] - logits[:, 1], target, reduction="none")
+    return torch.where(labels >= 0, loss, torch.zeros_like(loss))
+
+
 def step_scores(reward_logits: torch.Tensor) -> torch.Tensor:
     """Probability of the positive token, ``softmax([l+, l-])[0]``, per step."""
     return torch.softmax(reward_logits.float(), dim=-1)[:, 0]

@@ -1,8 +1,9 @@
 """Process reward model: the logits of the two reward tokens (``reward_tokens``, e.g. ``+`` / ``-``) read from the
 LM head at every step placeholder.
 
-One item = one labelled step: the cross-entropy of the two-way softmax (``rm.loss.step_loss``); unlabelled steps
-(target -1) are scored but are no loss items. The evaluation adds ProcessBench (records with a first-error label)
+One item = one labelled step: the cross-entropy of the two-way softmax (``rm.loss.step_loss``), or with
+``soft_labels`` the binary cross-entropy of p(+) against the step's soft label (``rm.loss.soft_step_loss``);
+unlabelled steps (target -1) are scored but are no loss items. The evaluation adds ProcessBench (records with a first-error label)
 and best-of-N (records with an answer and a correct flag) of ``llm.alignment.rm.evaluation``.
 """
 
@@ -11,19 +12,21 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from llm.alignment.lm import full_weight
-from llm.alignment.rm.data import reward_tokens
 from llm.alignment.rm.evaluation import first_error, step_score_metrics
-from llm.alignment.rm.loss import step_loss, step_scores
+from llm.alignment.rm.loss import soft_step_loss, step_loss, step_scores
 from llm.alignment.rm.trainer import RewardTrainer
 from llm.alignment.trainer import ItemOutputs
+from llm.data.encode_reward import POSITIVE, UNLABELLED
 from llm.data.packing import PackedBatch
-from llm.settings.reward import RewardModelArgument
 from llm.utils.lora import head_bias
 
 
 class PRMTrainer(RewardTrainer):
     """``reward_token_ids``: the tokenizer's ids of the positive and negative reward token, the LM-head rows read.
-    The tokens' text (how a step's label is written in the scores file) comes from ``model_args.reward_tokens``."""
+
+    A step's label is its readout target from encoding on (``encode_prm``: ``POSITIVE`` 0, negative 1, unlabelled
+    -1): the loss and the step metrics read that index, never the reward tokens' text. The scores file shows each
+    step's label as the dev record holds it (``record_metrics`` copies it, as it copies ``first_error``)."""
 
     causal_lm = True
     loss_items_description = "labelled steps"
@@ -31,7 +34,6 @@ class PRMTrainer(RewardTrainer):
     def __init__(self, *args, reward_token_ids: tuple[int, int], **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.reward_token_ids = list(reward_token_ids)
-        self.reward_tokens = reward_tokens(self.model_args or RewardModelArgument())  # positive, negative
 
     def count_items(self, batch: PackedBatch) -> int:
         return int((batch.readout_target >= 0).sum())  # unlabelled steps (target -1) are no loss items
@@ -44,17 +46,21 @@ class PRMTrainer(RewardTrainer):
         bias = bias[self.reward_token_ids] if bias is not None else None
         # accelerate returns the forward's outputs in fp32; O2's head weight is bf16
         logits = F.linear(hidden.to(weight.dtype), weight[self.reward_token_ids], bias).float()
-        loss = step_loss(logits, batch.readout_target)
+        if self.args.soft_labels:  # BCE on p(+) against each step's soft label (its hard label where it has none)
+            loss = soft_step_loss(logits, batch.readout_target, batch.readout_value)
+        else:
+            loss = step_loss(logits, batch.readout_target)
         values = {"score": step_scores(logits).detach(), "logits": logits.detach()}
         return ItemOutputs(loss, values, counted=batch.readout_target >= 0)
 
     def example_outputs(self, batch: PackedBatch, out: ItemOutputs) -> list[dict]:
-        examples = [{"record": rec, "step_scores": [], "labels": []} for rec in batch.records.tolist()]
-        for ex, score, label in zip(
+        # "_step_targets": each scored step's readout target, for the metrics (not a column of the scores file)
+        examples = [{"record": rec, "step_scores": [], "_step_targets": []} for rec in batch.records.tolist()]
+        for ex, score, target in zip(
             batch.readout_example.tolist(), out.values["score"].tolist(), batch.readout_target.tolist()
         ):
             examples[ex]["step_scores"].append(score)
-            examples[ex]["labels"].append(self.reward_tokens[label] if label >= 0 else None)
+            examples[ex]["_step_targets"].append(target)
         return examples
 
     def record_metrics(self, examples: list[dict], records: list) -> dict[str, float]:
@@ -64,6 +70,7 @@ class PRMTrainer(RewardTrainer):
         args = self.args
         for ex in examples:
             rec = records[ex["record"]]
+            ex["labels"] = rec.labels[: len(ex["step_scores"])]  # the scored steps' labels (a cut keeps the first)
             if getattr(rec, "first_error", None) is not None:
                 ex["first_error"] = rec.first_error
                 ex["predicted_first_error"] = first_error(ex["step_scores"], args.prm_threshold)
@@ -83,17 +90,16 @@ class PRMTrainer(RewardTrainer):
         return ["step_accuracy", "solution_accuracy", "majority_baseline"]
 
     def metrics(self, examples: list[dict]) -> dict[str, float]:
-        positive_token = self.reward_tokens[0]
         steps = correct = solved = positive = labelled = 0
         for ex in examples:
-            pairs = [(s, lab) for s, lab in zip(ex["step_scores"], ex["labels"]) if lab is not None]
-            right = [(s > 0.5) == (lab == positive_token) for s, lab in pairs]
+            pairs = [(s, t) for s, t in zip(ex["step_scores"], ex["_step_targets"]) if t != UNLABELLED]
+            right = [(s > 0.5) == (t == POSITIVE) for s, t in pairs]
             steps += len(right)
             correct += sum(right)
             if right:  # a solution without a labelled step is in no solution accuracy
                 labelled += 1
                 solved += all(right)
-            positive += sum(lab == positive_token for _, lab in pairs)
+            positive += sum(t == POSITIVE for _, t in pairs)
         if not steps:  # no examples, or no labelled step (best-of-N candidates): no step metrics rather than zeros
             return {}
         return {

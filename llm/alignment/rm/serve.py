@@ -10,15 +10,21 @@ ORM's score head at the last response token (the texts tokenised with the reward
 appended to an ended response), the PRM's step scores from the response split at ``step_separator``, read
 by the PRM's step scorer (``llm.alignment.rm.scoring``, the interface every PRM kind implements) and
 aggregated by ``prm_aggregation``. A request larger than ``max_request_bytes`` is refused (413) before it
-is read; one that is not of the form above gets 400 with the reason; a client that sends its body slower
-than ``request_timeout`` seconds is dropped. Requests are scored one at a time (the model is not
-thread-safe); the server itself accepts connections concurrently.
+is read; one that is not of the form above gets 400 with the reason; a body that ends before its
+Content-Length (the client closed its side) gets 400 saying so; a client that sends its body slower than
+``request_timeout`` seconds gets 408. Requests are scored one at a time (the model is not thread-safe); the
+server itself accepts connections concurrently, ``listen_backlog`` of them waiting to be accepted at once.
+
+The log has one line per request, written once it is answered (the status, and an error's reason); a
+client that hangs up (closes or resets the connection) mid-request or mid-answer is one line saying so,
+never a traceback, and the server goes on serving.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -48,6 +54,14 @@ class ServeArgument:
     request_timeout: float = field(
         default=60.0, metadata={"help": "Seconds a client may take to send its request.", "min": 0}
     )
+    listen_backlog: int = field(
+        default=128,
+        metadata={
+            "help": "Connections the kernel holds until the server accepts them (the listen backlog, capped by the "
+            "kernel's net.core.somaxconn); with too few, clients connecting at once are refused or reset.",
+            "min": 1,
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.prm_aggregation not in AGGREGATIONS:
@@ -56,6 +70,10 @@ class ServeArgument:
 
 class BadRequest(ValueError):
     pass
+
+
+class BodyEnded(Exception):
+    """The connection's input ended before the body's Content-Length was read."""
 
 
 def _strings(payload: dict, key: str, n: int | None, optional: bool = False) -> list:
@@ -135,17 +153,38 @@ def make_handler(scorer: RewardScorer, args: ServeArgument):
     class Handler(BaseHTTPRequestHandler):
         timeout = args.request_timeout  # each socket operation; the body as a whole: below
         protocol_version = "HTTP/1.1"
+        stage = "before its request was read"  # where a hang-up happens, for its log line
+        received = 0  # body bytes read
+
+        @property
+        def client(self) -> str:
+            host, port = self.client_address[:2]
+            return f"{host}:{port}"
 
         def log_message(self, fmt, *a) -> None:  # through logging, not stderr prints
-            logger.info("%s %s", self.address_string(), fmt % a)
+            logger.info("%s %s", self.client, fmt % a)
+
+        def log_request(self, code="-", size="-") -> None:
+            """Silent: a request's line is written once it is answered (``_answer``)."""
+
+        def handle(self) -> None:
+            try:
+                super().handle()
+            except ConnectionError as err:  # BrokenPipeError, ConnectionResetError: the client is gone
+                self.close_connection = True
+                logger.warning("%s: the client hung up %s (%s)", self.client, self.stage, type(err).__name__)
 
         def _answer(self, status: int, payload: dict) -> None:
             body = json.dumps(payload).encode()
+            self.stage = f"before its answer ({status}) was sent"
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
+            self.stage = "before its next request was read"
+            reason = f": {payload['error']}" if "error" in payload else ""
+            logger.info('%s "%s" %d%s', self.client, self.requestline, status, reason)
 
         def do_GET(self) -> None:
             if self.path.rstrip("/") in ("/health", "/healthz"):
@@ -167,6 +206,15 @@ def make_handler(scorer: RewardScorer, args: ServeArgument):
             except TimeoutError:
                 self.close_connection = True
                 return self._answer(408, {"error": f"the body took over request_timeout={args.request_timeout:g} s"})
+            except BodyEnded:
+                self.close_connection = True
+                return self._answer(
+                    400,
+                    {
+                        "error": f"the body ended after {self.received} of its {length} bytes (Content-Length): the "
+                        "connection's input closed before the rest was sent"
+                    },
+                )
             if scorer.stopping:
                 self.close_connection = True
                 return self._answer(503, {"error": "the server is stopping"})
@@ -174,36 +222,55 @@ def make_handler(scorer: RewardScorer, args: ServeArgument):
                 request = parse_request(body)
             except BadRequest as err:
                 return self._answer(400, {"error": str(err)})
+            self.stage = "while its request was scored"
             try:
-                self._answer(200, scorer.score(*request))
+                scores = scorer.score(*request)
             except BadRequest as err:
-                self._answer(400, {"error": str(err)})
+                return self._answer(400, {"error": str(err)})
             except Exception as err:  # the client gets the reason, the server keeps serving
                 logger.exception("scoring failed")
-                self._answer(500, {"error": f"{type(err).__name__}: {err}"})
+                return self._answer(500, {"error": f"{type(err).__name__}: {err}"})
+            self._answer(200, scores)
 
         def _read(self, n: int) -> bytes:
             deadline = time.monotonic() + args.request_timeout
-            parts, left = [], n
-            while left:
+            parts, self.received = [], 0
+            while self.received < n:
+                self.stage = f"while sending its body ({self.received} of {n} bytes read)"
                 if time.monotonic() > deadline:
                     raise TimeoutError
-                chunk = self.rfile.read1(min(left, 1 << 16))  # a socket timeout raises TimeoutError
+                chunk = self.rfile.read1(min(n - self.received, 1 << 16))  # a socket timeout raises TimeoutError
                 if not chunk:
-                    raise TimeoutError
+                    raise BodyEnded
                 parts.append(chunk)
-                left -= len(chunk)
+                self.received += len(chunk)
             return b"".join(parts)
 
     return Handler
 
 
-def make_server(scorer: RewardScorer, args: ServeArgument) -> ThreadingHTTPServer:
+class RewardServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        """A client's hang-up outside its handler (closing the connection): one line; anything else: the
+        traceback, through logging."""
+        err = sys.exc_info()[1]
+        if isinstance(err, ConnectionError):
+            logger.warning("%s:%s: the client hung up (%s)", *client_address[:2], type(err).__name__)
+        else:
+            logger.exception("%s:%s: the request failed", *client_address[:2])
+
+
+def make_server(scorer: RewardScorer, args: ServeArgument) -> RewardServer:
+    server = RewardServer((args.host, args.port), make_handler(scorer, args), bind_and_activate=False)
+    server.request_queue_size = args.listen_backlog  # the listen backlog (socketserver's default: 5)
     try:
-        server = ThreadingHTTPServer((args.host, args.port), make_handler(scorer, args))
+        server.server_bind()
+        server.server_activate()
     except OSError as err:
+        server.server_close()
         raise UserError(f"cannot listen on {args.host}:{args.port} ({err.strerror}): choose another port") from None
-    server.daemon_threads = True
     return server
 
 
@@ -212,19 +279,16 @@ def build_scorer(model_args, training_args, serve_args: ServeArgument, max_token
     the longest prompt + response scored (the config's ``max_seq_len``)."""
     from llm.alignment.ppo.rewards import ORMReward, PRMReward
     from llm.alignment.rm.build import build_reward_model
-    from llm.alignment.rm.data import reward_tokens
     from llm.data.encoding import single_token_id
     from llm.utils.modeling import load_tokenizer
 
     tokenizer = load_tokenizer(model_args.tokenizer_name_or_path or model_args.model_name_or_path)
-    model, _ = build_reward_model(model_args, training_args, tokenizer)
+    model, ids = build_reward_model(model_args, training_args, tokenizer)  # ids: a PRM's reward tokens
     model.eval()
     path = model_args.model_name_or_path
     if not training_args.process_reward:
         orm = ORMReward(model, tokenizer, tokenizer, serve_args.micro_batch_size)
         return RewardScorer(orm, tokenizer, "orm", path, max_tokens)
-    tokens = reward_tokens(model_args)
-    ids = tuple(single_token_id(tokenizer, t, "reward_tokens") for t in tokens)
     placeholder = model_args.placeholder_token
     prm = PRMReward(
         model,

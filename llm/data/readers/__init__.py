@@ -14,7 +14,8 @@ Modules (each docstring gives the details of its part)
     ``common``: the field checks every kind shares. ``conversation``: prompts and conversations from
     PaddleNLP ``src``/``tgt`` turns or TRL message lists.
     ``prm``, ``pairs``, ``prompts``, ``sft``: the schemas of the kinds ``"prm"``, ``"pair"``, ``"prompt"``
-    and ``"sft"``; ``orm_eval``: an ORM's dev split, pairs and best-of-N candidates (``"orm_eval"``).
+    and ``"sft"``; ``problems``: problems to label (``"problem"``); ``orm_eval``: an ORM's dev split, pairs
+    and best-of-N candidates (``"orm_eval"``).
 
 Lazy mode
     ``lazy=True`` returns an iterator that reads and validates as it goes, in constant memory.
@@ -33,6 +34,7 @@ from llm.data.readers.records import (
     Message,
     PairRecord,
     PRMRecord,
+    ProblemRecord,
     PromptRecord,
     Record,
     SFTRecord,
@@ -47,6 +49,7 @@ __all__ = [
     "Message",
     "PRMRecord",
     "PairRecord",
+    "ProblemRecord",
     "PromptRecord",
     "Record",
     "SFTRecord",

@@ -15,6 +15,9 @@ Schema (``kind``)
     before ``label`` are labelled correct, the step at ``label`` wrong, and the later ones carry no
     label (``None``: scored, but in no loss or step metric); ``PRMRecord.first_error`` keeps the label,
     ``subset`` the record's ``subset`` field or the prefix of an ``id`` like ``"gsm8k-12"``.
+    Soft labels (PaddleNLP and TRL layouts): an optional ``soft_labels`` list, one number in [0, 1] or
+    null per step (``llm/run_label.py`` writes the fraction of completions reaching the answer), which
+    a PRM trained with ``soft_labels: true`` takes as its targets.
     Best-of-N candidates: any PRM layout with ``answer`` (the final answer) and ``correct`` (a boolean)
     is one candidate of its problem's group (``group`` when given, else its question: the prompt, or
     ProcessBench's ``problem``); such a record may leave out ``labels`` (its steps are then unlabelled).
@@ -37,7 +40,8 @@ from llm.data.readers.records import PRMRecord
 from llm.data.readers.sources import RecordPlace
 
 
-def _steps(value: Any, field: str, where: RecordPlace, placeholder: str) -> list[str]:
+def solution_steps(value: Any, field: str, where: RecordPlace, placeholder: str) -> list[str]:
+    """A solution's steps: a non-empty list of non-empty strings, none holding the placeholder."""
     if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
         where.fail(
             field, f"must be a list of step strings, got {type_name(value)}", "give the solution as a list of steps"
@@ -166,13 +170,35 @@ def parse_prm(rec: dict, where: RecordPlace, tokens: tuple[str, str], placeholde
     else:
         require(rec, where, "prm", ("prompt", "completions") + (() if unlabelled else ("labels",)), "TRL stepwise")
         prompt, steps_field = trl_prompt(rec, where), "completions"
-    steps = _steps(rec[steps_field], steps_field, where, placeholder)
+    steps = solution_steps(rec[steps_field], steps_field, where, placeholder)
     labels = [None] * len(steps) if unlabelled else _labels(rec["labels"], where, tokens, len(steps), steps_field)
+    soft = _soft_labels(rec["soft_labels"], where, len(steps), steps_field) if is_present(rec, "soft_labels") else None
     if not prompt:  # PaddleNLP's Math-Shepherd conversion (src: [""]): the question starts the first step
         _need_group(candidate, where, "'src' is empty: the question starts the first of 'responses'")
     elif candidate["correct"] is not None and candidate["group"] is None:
         candidate["group"] = json.dumps([m["content"] for m in prompt])
-    return PRMRecord(prompt, steps, labels, where.path, where.index, **candidate)
+    return PRMRecord(prompt, steps, labels, where.path, where.index, soft_labels=soft, **candidate)
+
+
+def _soft_labels(value: Any, where: RecordPlace, n_steps: int, steps_field: str) -> list[float | None]:
+    """``soft_labels``: one value in [0, 1] per step (the fraction of completions from the step's prefix that reach
+    the answer, ``llm/run_label.py``), null where a step has none."""
+    if not isinstance(value, (list, tuple)):
+        where.fail("soft_labels", f"must be a list with one value per step, got {type_name(value)}", "give a list")
+    if len(value) != n_steps:
+        where.fail(
+            "soft_labels",
+            f"has {len(value)} value(s) but '{steps_field}' has {n_steps} step(s)",
+            "give exactly one soft label (or null) per step",
+        )
+    for j, v in enumerate(value):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1):
+            where.fail(
+                "soft_labels",
+                f"value {j} is {v!r}, not a number in [0, 1]",
+                "give each step's fraction of right completions, in [0, 1], or null",
+            )
+    return [None if v is None else float(v) for v in value]
 
 
 def _need_group(candidate: dict, where: RecordPlace, layout: str) -> None:
@@ -227,7 +253,7 @@ def _processbench(
     require(rec, where, "prm", ("problem", "steps", "label"), "ProcessBench")
     if not isinstance(rec["problem"], str) or not rec["problem"].strip():
         where.fail("problem", "must be a non-empty string", "give the problem text")
-    steps = _steps(rec["steps"], "steps", where, placeholder)
+    steps = solution_steps(rec["steps"], "steps", where, placeholder)
     first = rec["label"]
     if isinstance(first, bool) or not isinstance(first, int) or not -1 <= first < len(steps):
         where.fail(

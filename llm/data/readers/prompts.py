@@ -36,7 +36,7 @@ def parse_prompt(rec: dict, where: RecordPlace, tokens: tuple[str, str], placeho
         if field is not None and isinstance(rec[field], (list, tuple)):
             where.fail(field, "must be a string (the reference answer), got list", "give the answer text")
         reference = _reference(rec[field], field, where) if field else None
-        return PromptRecord(messages, reference, where.path, where.index)
+        return PromptRecord(messages, reference, where.path, where.index, dict(rec))
 
     src = paddle_turns(rec["src"], "src", where)
     tgt = paddle_turns(rec.get("tgt"), "tgt", where)
@@ -54,4 +54,4 @@ def parse_prompt(rec: dict, where: RecordPlace, tokens: tuple[str, str], placeho
     if reference is None and extra:
         reference = _reference(rec[extra], extra, where)
     messages = system_messages(rec, where) + history(src, tgt, where)
-    return PromptRecord(messages, reference, where.path, where.index)
+    return PromptRecord(messages, reference, where.path, where.index, dict(rec))

@@ -9,6 +9,7 @@ from llm.data.readers.common import type_name
 from llm.data.readers.orm_eval import parse_orm_eval
 from llm.data.readers.pairs import parse_pair
 from llm.data.readers.prm import parse_prm
+from llm.data.readers.problems import parse_problem
 from llm.data.readers.prompts import parse_prompt
 from llm.data.readers.records import FORMATS, KINDS, Record
 from llm.data.readers.sft import parse_sft
@@ -82,6 +83,7 @@ PARSERS = {
     "prompt": parse_prompt,
     "sft": parse_sft,
     "orm_eval": parse_orm_eval,
+    "problem": parse_problem,
 }
 
 

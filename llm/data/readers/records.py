@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
 
-KINDS = ("prm", "pair", "prompt", "sft", "orm_eval")
+KINDS = ("prm", "pair", "prompt", "sft", "orm_eval", "problem")
 ROLES = ("system", "user", "assistant")
 SUPPORTED_FORMATS = (
     ".json (a JSON list of objects, or JSON lines), .jsonl (JSON lines), .parquet, "
@@ -22,6 +22,10 @@ FORMATS = {
     "sft": 'PaddleNLP {"src": [user turns], "tgt": [one answer per user turn]} '
     'or TRL conversational {"messages": [{"role", "content"}, ...]}',
 }
+FORMATS["problem"] = (
+    'a prompt with its reference answer (PaddleNLP {"src", "tgt"} or {"prompt", "reference" or "answer"}), '
+    'optionally with a given solution "responses": [steps]'
+)
 # an ORM's dev split: either kind, record by record (llm/data/readers/orm_eval.py)
 FORMATS["orm_eval"] = (
     f'a preference pair ({FORMATS["pair"]}) or a best-of-N candidate (a PRM layout with "answer" and '
@@ -36,6 +40,7 @@ FIELDS = {
         "system",
         "responses",
         "labels",
+        "soft_labels",
         "prompt",
         "completions",
         "input",
@@ -54,6 +59,7 @@ FIELDS = {
     "prompt": ("src", "tgt", "system", "prompt", "reference", "answer"),
     "sft": ("src", "tgt", "system", "messages"),
 }
+FIELDS["problem"] = FIELDS["prompt"] + ("responses",)
 FIELDS["orm_eval"] = tuple(dict.fromkeys(FIELDS["pair"] + FIELDS["prm"]))
 
 
@@ -74,6 +80,8 @@ class PRMRecord:
     group: str | None = None  # best-of-N: the problem this candidate answers
     answer: str | None = None  # best-of-N: its final answer
     correct: bool | None = None  # best-of-N: whether that answer is right
+    # Monte Carlo step values in [0, 1] (llm/run_label.py's soft labels), None where a step has none; or None
+    soft_labels: list[float | None] | None = None
 
 
 @dataclass
@@ -95,6 +103,7 @@ class PromptRecord:
     reference: str | None
     source: str
     index: int
+    fields: dict = field(default_factory=dict)  # the record as read (after map_keys): an environment's task
 
 
 @dataclass
@@ -106,4 +115,16 @@ class SFTRecord:
     index: int
 
 
-Record = PRMRecord | PairRecord | PromptRecord | SFTRecord
+@dataclass
+class ProblemRecord:
+    """A problem to label (``llm/run_label.py``): the prompt, its reference answer, and a given solution's steps
+    (None: the policy writes the solutions)."""
+
+    prompt: list[Message]
+    reference: str
+    steps: list[str] | None
+    source: str
+    index: int
+
+
+Record = ProblemRecord | PRMRecord | PairRecord | PromptRecord | SFTRecord

@@ -1,8 +1,8 @@
 """What every reward is, and the registry of reward types that both the config check (``reward.type``,
 ``llm.settings.ppo_validation``) and the builder (build.py) read.
 
-A reward type is one class with ``score(samples) -> RewardOutput`` and a ``from_config(config, place)``
-constructor, registered with ``@register_reward(name, ...)``: the config then accepts ``reward.type:
+A reward type is one class with ``score(samples) -> RewardOutput`` and a ``from_config(config, place, run)``
+constructor (``run``: the run's ``PPOContext``, with the tokenizers loaded once), registered with ``@register_reward(name, ...)``: the config then accepts ``reward.type:
 name``, requires the ``needs`` fields of ``reward``, refuses ``reward.dtype`` / ``reward.offload`` unless
 ``has_model``, and the builder calls ``from_config``. The module that registers it must be imported
 before the config is parsed: the built-in types register when ``llm.alignment.ppo.rewards`` is imported.
@@ -22,6 +22,7 @@ from llm.settings.registry import REWARD_TYPES
 from llm.utils.errors import UserError
 
 if TYPE_CHECKING:
+    from llm.alignment.ppo.context import PPOContext
     from llm.alignment.ppo.loading import Place
     from llm.settings.ppo import PPOConfig
 
@@ -32,8 +33,9 @@ class RewardFunction:
     samples_seen = 0  # model rewards: samples this process ran forwards over (as PolicyModel.samples_seen)
 
     @classmethod
-    def from_config(cls, c: PPOConfig, place: Place) -> RewardFunction:
-        """The reward ``c.reward`` asks for, its models (if any) on ``place``."""
+    def from_config(cls, c: PPOConfig, place: Place, run: PPOContext) -> RewardFunction:
+        """The reward ``c.reward`` asks for, its models (if any) on ``place``; a model's tokenizer is
+        ``run.reward_tokenizer``, the actor's ``run.tokenizer`` (never loaded again)."""
         raise NotImplementedError
 
     def score(self, samples: Samples) -> RewardOutput:
@@ -48,8 +50,8 @@ class RewardType:
     has_model: bool = False  # a reward model: reward.dtype / reward.offload apply
     value_head: bool = False  # its model has a scalar head at every token: the critic may start from it
 
-    def build(self, c: PPOConfig, place: Place) -> RewardFunction:
-        return self.cls.from_config(c, place)
+    def build(self, c: PPOConfig, place: Place, run: PPOContext) -> RewardFunction:
+        return self.cls.from_config(c, place, run)
 
 
 REWARDS = REWARD_TYPES  # name -> RewardType (llm.settings.registry, read by validation too)

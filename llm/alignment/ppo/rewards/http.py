@@ -19,6 +19,7 @@ from llm.alignment.ppo.rewards.base import RewardFunction, check_score, register
 from llm.settings.ppo import check_reward_url
 
 if TYPE_CHECKING:
+    from llm.alignment.ppo.context import PPOContext
     from llm.alignment.ppo.loading import Place
     from llm.settings.ppo import PPOConfig
 
@@ -52,7 +53,7 @@ class HttpReward(RewardFunction):
         self.parts = urllib.parse.urlsplit(url)
 
     @classmethod
-    def from_config(cls, c: PPOConfig, place: Place) -> HttpReward:
+    def from_config(cls, c: PPOConfig, place: Place, run: PPOContext) -> HttpReward:
         r = c.reward
         return cls(r.url, r.timeout, r.max_retries, r.retry_backoff, r.max_response_bytes)
 

@@ -19,17 +19,16 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from llm.alignment.ppo.engine import forward_readouts
 from llm.alignment.ppo.fsdp import head_linear
 from llm.alignment.ppo.interfaces import RewardOutput, Samples
-from llm.alignment.ppo.loading import actor_tokenizer, load_frozen, offload_idle
+from llm.alignment.ppo.loading import load_frozen, offload_idle
 from llm.alignment.ppo.rewards.base import RewardFunction, register_reward
 from llm.alignment.rm.evaluation import AGGREGATIONS
 from llm.alignment.rm.scoring import DiscriminativePRM
 from llm.data.encoding import single_token_id
 from llm.data.packing import causal_example
 from llm.settings.registry import PRM_AGGREGATIONS
-from llm.settings.shared import reward_token_pair
-from llm.utils.modeling import load_tokenizer
 
 if TYPE_CHECKING:
+    from llm.alignment.ppo.context import PPOContext
     from llm.alignment.ppo.loading import Place
     from llm.settings.ppo import PPOConfig
 
@@ -58,11 +57,6 @@ def retokenise(samples: Samples, actor_tok: PreTrainedTokenizerBase, tok: PreTra
     return prompts, responses
 
 
-def reward_tokenizer(c: PPOConfig):
-    r = c.reward
-    return load_tokenizer(r.tokenizer_name_or_path or r.model_name_or_path)
-
-
 @register_reward("orm", needs=("model_name_or_path",), has_model=True, value_head=True)
 class ORMReward(RewardFunction):
     """Outcome reward model: score head at the last response token."""
@@ -72,15 +66,13 @@ class ORMReward(RewardFunction):
         self.micro_batch_size = micro_batch_size
 
     @classmethod
-    def from_config(cls, c: PPOConfig, place: Place) -> ORMReward:
-        r, tok = c.reward, reward_tokenizer(c)
+    def from_config(cls, c: PPOConfig, place: Place, run: PPOContext) -> ORMReward:
+        r, tok = c.reward, run.reward_tokenizer
         model = load_frozen(
             c, AutoModelForSequenceClassification, r.model_name_or_path, r.init_from_config, tok, place, r.dtype,
             num_labels=1,
         )  # fmt: skip
-        return offload_idle(
-            c, cls(model, tok, actor_tokenizer(c), c.micro("reward")), model, "reward", place, ("score",)
-        )
+        return offload_idle(c, cls(model, tok, run.tokenizer, c.micro("reward")), model, "reward", place, ("score",))
 
     @torch.no_grad()
     def score(self, samples: Samples) -> RewardOutput:
@@ -178,9 +170,9 @@ class PRMReward(RewardFunction):
         )
 
     @classmethod
-    def from_config(cls, c: PPOConfig, place: Place) -> PRMReward:
-        r, tok = c.reward, reward_tokenizer(c)
-        tokens = reward_token_pair(r.reward_tokens, "reward.reward_tokens")
+    def from_config(cls, c: PPOConfig, place: Place, run: PPOContext) -> PRMReward:
+        r, tok = c.reward, run.reward_tokenizer
+        tokens = r.label_tokens
         ids = (
             single_token_id(tok, tokens[0], "reward.reward_tokens"),
             single_token_id(tok, tokens[1], "reward.reward_tokens"),
@@ -190,7 +182,7 @@ class PRMReward(RewardFunction):
         prm = cls(
             model,
             tok,
-            actor_tokenizer(c),
+            run.tokenizer,
             r.step_separator,
             r.placeholder_token,
             ids,

@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 MOVED_MODULES = {"llm.alignment.ppo.rules": "llm.alignment.ppo.rewards.rule_functions"}
 
 if TYPE_CHECKING:
+    from llm.alignment.ppo.context import PPOContext
     from llm.alignment.ppo.loading import Place
     from llm.settings.ppo import PPOConfig
 
@@ -56,7 +57,7 @@ class RuleReward(RewardFunction):
         self.spec = spec
 
     @classmethod
-    def from_config(cls, c: PPOConfig, place: Place) -> RuleReward:
+    def from_config(cls, c: PPOConfig, place: Place, run: PPOContext) -> RuleReward:
         return cls(c.reward.rule)
 
     def score(self, samples: Samples) -> RewardOutput:

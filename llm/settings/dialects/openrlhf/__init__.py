@@ -1,4 +1,5 @@
-"""OpenLLaMA2 / OpenRLHF launch scripts read as configs (``launch.py``; the flag table: ``flags.py``)."""
+"""OpenLLaMA2 / OpenRLHF launch scripts read as configs (``script.py`` finds the command, ``launch.py`` translates it,
+the flag table: ``flags.py``)."""
 
 from llm.settings.dialects.openrlhf.launch import LAUNCH_SCRIPT_EXTENSIONS, read_launch_script
 

@@ -12,7 +12,7 @@ sft_model_path,reward_model_path,reward_pretrain,critic_pretrain  str  ppo  *
 ref_pretrain  str  dpo  *
 remote_rm_url  str  ppo  ! OpenRLHF's remote reward speaks another protocol: serve the model with serve_reward.py
 value_head_prefix  str  rm,ppo  =score ~ the head is named score here too ! this project's value head is 'score'
-save_path  str  all  -> output_dir | training.output_dir ~ the final model, Hugging Face format
+save_path  str  all  *
 dataset  str  flat  *
 prompt_data  str  ppo  *
 dataset_probs  str  flat  -> dataset_probs ~ mixed till each file is read once (OpenLLaMA2: till one runs out)

@@ -1,11 +1,14 @@
 """OpenLLaMA2 / OpenRLHF launch scripts read as configs: ``python llm/run_ppo.py train_ppo_llama.sh``.
 
-The script's one training command (a heredoc, ``read -r -d '' cmds <<EOF ... EOF`` then ``deepspeed $cmds``, or
-``deepspeed --module openrlhf.cli.train_sft --flag v \\``) must run the OpenRLHF script matching ours; ``TABLE``
-translates each flag with OpenRLHF's meaning (the argparse of OpenLLaMA2's ``examples/train_*.py``,
-OpenRLHF/OpenRLHF@55ccebea, and of ``openrlhf/cli/train_*.py`` at f9a8fe2d) onto our fields (flat for sft / rm / dpo,
-``llm.settings.ppo``'s sections for ppo), one line each in ``notes``, or refuses it with what to do (the table, generated:
-docs/dialects.md). A flag left out takes OpenLLaMA2's default where ours differs.
+The script's one training command (found by ``script.py``: a heredoc, ``read -r -d '' cmds <<EOF ... EOF`` then
+``deepspeed $cmds``, ``deepspeed --module openrlhf.cli.train_sft --flag v \\``, ...) must run the OpenRLHF script
+matching ours; ``TABLE`` translates each flag with OpenRLHF's meaning (the argparse of OpenLLaMA2's
+``examples/train_*.py``, OpenRLHF/OpenRLHF@55ccebea, and of ``openrlhf/cli/train_*.py`` at f9a8fe2d) onto our fields
+(flat for sft / rm / dpo, ``llm.settings.ppo``'s sections for ppo), one line each in ``notes``, or refuses it with
+what to do (the table, generated: docs/dialects.md). A flag left out takes OpenLLaMA2's default where ours
+differs.
+OpenLLaMA2's scripts (``train_x.py``) save ``save_path/x_model.pt``: here the model goes to ``save_path/x_model/``
+(Hugging Face format), and a later script's ``save_path/x_model.pt`` loads it; OpenRLHF's CLI saves in ``save_path``.
 """
 
 from __future__ import annotations
@@ -14,29 +17,25 @@ import functools
 import json
 import math
 import os
-import re
-import shlex
 from collections.abc import Callable
 from typing import Any
 
 from llm.settings.dialects.openrlhf.flags import DEFAULTS, SCRIPTS, TABLE, TYPES
+from llm.settings.dialects.openrlhf.script import read_training_command
 from llm.utils.errors import UserError, closest
 from llm.utils.paths import resolve_input_path, tried
 
 LAUNCH_SCRIPT_EXTENSIONS = (".sh",)
 READERS = {"sft": "llm/run_finetune.py", "rm": "llm/run_reward.py", "dpo": "llm/run_dpo.py", "ppo": "llm/run_ppo.py"}
 MAP_KEYS = {"input_key": "src", "output_key": "tgt", "label_key": "reference"}  # else the flag's name less _key
-_SCRIPT = re.compile(r"(?:^|[/.])train_([a-z_]+?)(?:\.py)?$")
-_HEREDOC = re.compile(r"<<-?[ \t]*(['\"]?)(\w+)\1[^\n]*\n(.*?)^[ \t]*\2[ \t]*$", re.DOTALL | re.MULTILINE)
-_ASSIGN = re.compile(r"^[ \t]*(?:(?:export|readonly|declare)[ \t]+)?([A-Za-z_]\w*)=(.*)$", re.MULTILINE)
-_VAR = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
 
 
 class _T:
     """One translation: the flags (``given``), our config (``out``), the notes; a ``*`` row's method per flag."""
 
-    def __init__(self, path: str, kind: str, given: dict, defaulted: set, notes: list) -> None:
+    def __init__(self, path: str, kind: str, given: dict, defaulted: set, notes: list, layout: str) -> None:
         self.path, self.kind, self.given, self.defaulted, self.notes = path, kind, given, defaulted, notes
+        self.layout = layout  # openllama2 (train_x.py: save_path/x_model.pt) or openrlhf (save_path: the model)
         self.ppo, self.out = kind == "ppo", {}
 
     def src(self, name: str) -> str:
@@ -69,11 +68,31 @@ class _T:
         return ppo if self.ppo else flat
 
     def hf_dir(self, name: str, value: str) -> str:
+        """A model directory. OpenLLaMA2's ``save_path/x_model.pt`` (absent) names the model that an OpenLLaMA2
+        script run here saved for it, ``save_path/x_model/`` (PPO: its ``actor/``); a .pt file is never unpickled."""
         found = resolve_input_path(value)
-        if value.endswith((".pt", ".pth", ".bin")) or (found is not None and os.path.isfile(found)):
+        if not value.endswith((".pt", ".pth", ".bin")):
+            if found is not None and os.path.isfile(found):
+                raise self.fail(name, f"{value!r} is a file: give the Hugging Face directory of the model")
+            return value
+        stem = os.path.splitext(value)[0]
+        saved = [resolve_input_path(d) for d in (stem, os.path.join(stem, "actor"))]
+        saved = next((d for d in saved if d and os.path.isfile(os.path.join(d, "config.json"))), None)
+        if found is not None:
             why = f"{value!r} is a state dict, OpenLLaMA2's .pt format; nothing is unpickled here: give the Hugging "
-            raise self.fail(name, why + "Face directory of that model (run_finetune.py / run_reward.py write one)")
-        return value
+            instead = f"the model saved for it here, {saved}" if saved else "run_finetune.py / run_reward.py write one"
+            raise self.fail(name, f"{why}Face directory of that model ({instead})")
+        if saved is None:
+            folder = os.path.dirname(stem)
+            why = f"neither {value!r} nor the model saved for it here ({stem}/, which an OpenLLaMA2 script with "
+            why += f"--save_path {folder} writes) exists: run that script first"
+            others = _saved_models(folder)
+            raise self.fail(
+                name, why + (f"; {folder} holds {', '.join(others)}: rename the one meant" if others else "")
+            )
+        self.notes.append(f"{self.src(name)}: OpenLLaMA2's {os.path.basename(value)}; the model saved for it "
+                          f"here, {saved}, is loaded (Hugging Face format)")  # fmt: skip
+        return saved
 
     @functools.cached_property
     def counts(self) -> list[int | None]:
@@ -185,6 +204,14 @@ class _T:
         if value == "cosine_with_min_lr":
             self.set("lr_scheduler_kwargs", {"min_lr_rate": 0.1}, name, "OpenRLHF's min_lr: 0.1 x learning_rate")
 
+    def save_path(self, name: str, value: str) -> None:
+        field = self.field("output_dir", "training.output_dir")
+        if self.layout != "openllama2":
+            return self.set(field, value, name, "the final model, Hugging Face format")
+        model = f"{self.kind}_model"
+        why = f"OpenLLaMA2 saves {value}/{model}.pt; here its Hugging Face model, which a later {model}.pt loads"
+        self.set(field, os.path.join(value, model), name, why)
+
     def save_steps(self, name: str, value: int) -> None:
         if self.ppo:
             return self.set("training.save_steps", max(value, 0), name, "" if value > 0 else "no checkpoints")
@@ -248,6 +275,12 @@ class _T:
 Handler = Callable[[_T, str, Any], None]
 
 
+def _saved_models(folder: str) -> list[str]:
+    """The ``x_model`` directories in ``folder`` (what OpenLLaMA2 scripts run here saved), for a hint."""
+    found = resolve_input_path(folder or ".")
+    return sorted(d for d in os.listdir(found) if d.endswith("_model")) if found and os.path.isdir(found) else []
+
+
 def _rule(action: str, type_: Any) -> Handler:
     """A ``TABLE`` action as a handler."""
     if action == "*":
@@ -300,48 +333,17 @@ for _line in TABLE.strip().splitlines():
             FLAGS.setdefault(_name, {})[_kind] = (TYPES[_type], _rule(_action, TYPES[_type]))
 
 
-# --- the script ----------------------------------------------------------------------------------------
-def _command(text: str, path: str) -> tuple[list[str], str]:
-    """The flags of the script's one training command, and which OpenRLHF script it runs."""
-    variables: dict[str, str] = {}
-
-    def expand(piece: str) -> str:
-        def value(m: re.Match) -> str:
-            name = m.group(1) or m.group(2)
-            if name not in variables and name not in os.environ:
-                raise UserError(f"{path}: the training command uses ${name}, which neither the script nor the "
-                                "environment sets")  # fmt: skip
-            return variables.get(name, os.environ.get(name, ""))
-
-        return _VAR.sub(value, piece)
-
-    for name, raw in _ASSIGN.findall(text):
-        try:
-            variables[name] = expand(" ".join(shlex.split(raw, comments=True)))
-        except (ValueError, UserError):
-            continue
-    # (text, expanded): each heredoc's lines joined (a quoted one, <<'EOF', expands nothing), then every other line
-    pieces = [(re.sub(r"\\\n", " ", m.group(3)), not m.group(1)) for m in _HEREDOC.finditer(text)]
-    pieces += [(line, True) for line in re.sub(r"\\\n", " ", _HEREDOC.sub("", text)).splitlines()]
-    found = [(p, e) for p, e in pieces if any(_SCRIPT.search(word) for word in re.sub(r"(^|\s)#.*", "", p).split())]
-    if len(found) != 1:
-        what = f"{len(found)} training commands" if found else "no OpenRLHF training command (train_sft, ...)"
-        raise UserError(f"{path}: holds {what}: a launch script read as a config runs one")
-    try:
-        tokens = shlex.split(expand(found[0][0]) if found[0][1] else found[0][0], comments=True)
-    except ValueError as err:
-        raise UserError(f"{path}: cannot read the training command ({err})") from None
-    index = next(i for i, token in enumerate(tokens) if _SCRIPT.search(token))
-    return tokens[index + 1 :], _SCRIPT.search(tokens[index]).group(1)
-
-
+# --- the script's flags ------------------------------------------------------------------------------
 def _parse_flags(args: list[str], kind: str, path: str) -> dict[str, Any]:
     given: dict[str, Any] = {}
     known = [name for name, kinds in FLAGS.items() if kind in kinds]
     i = 0
     while i < len(args):
         if not args[i].startswith("--") or len(args[i]) == 2:
-            raise UserError(f"{path}: {args[i]!r} in the training command is not a --flag")
+            why = " (a space after a line's \\ escapes the space, and the line does not continue)"
+            raise UserError(
+                f"{path}: {args[i]!r} in the training command is not a --flag{why if args[i].isspace() else ''}"
+            )
         name, eq, text = args[i][2:].partition("=")
         if name not in known:
             raise UserError(f"{path}: --{name}: not a flag of OpenRLHF's train_{kind} that this reader knows; "
@@ -358,22 +360,16 @@ def _parse_flags(args: list[str], kind: str, path: str) -> dict[str, Any]:
 def read_launch_script(path: str, script: str, notes: list[str]) -> dict:
     """The config (this project's layout: flat for sft / rm / dpo, sections for ppo) that the OpenLLaMA2 /
     OpenRLHF command in the launch script ``path`` asks for; ``script`` is which of our scripts reads it."""
-    found = resolve_input_path(path)
-    if found is None:
-        raise UserError(f"{path}: no such file (looked in: {tried(path)})")
-    try:
-        with open(found, encoding="utf-8") as f:
-            args, runs = _command(f.read(), path)
-    except (OSError, UnicodeDecodeError) as err:
-        raise UserError(f"{path}: cannot read it ({err})") from None
+    command = read_training_command(path)
+    runs = command.runs
     kind = runs.removesuffix("_ray")  # train_ppo_ray: train_ppo's flags and Ray's (refused: not known here)
     if kind != script:
         where = f"read it with python {READERS[kind]} {path}" if kind in READERS else "no counterpart here"
         raise UserError(f"{path}: runs OpenRLHF's train_{runs}: {where} (this is {READERS[script]})")
-    given = _parse_flags(args, kind, path)
+    given = _parse_flags(command.args, kind, path)
     defaults = {**DEFAULTS["all"], **DEFAULTS[kind]}
     defaulted = {name for name in defaults if name not in given}
-    t = _T(path, kind, {**given, **{name: defaults[name] for name in defaulted}}, defaulted, notes)
+    t = _T(path, kind, {**given, **{name: defaults[name] for name in defaulted}}, defaulted, notes, command.layout)
     notes.append(f"OpenRLHF's train_{runs}: each flag's translation follows (one process here; torchrun for several)")
     for name, kinds in FLAGS.items():
         if name in t.given:

@@ -1,0 +1,56 @@
+"""What a PPO run derives once from its validated config, and passes down to every builder.
+
+``PPOContext.load(config)`` is called once, in the driver (``run_ppo.py``, before the prompts and the roles): it
+loads the actor's tokenizer, and the reward model's when there is one (the actor's own object when both name the
+same tokenizer), and resolves ``data.use_chat_template`` from the actor's. The prompts (``load_prompts``), every
+role builder (``build_role``; a Ray worker gets a copy of the record with its config, so it loads no tokenizer)
+and the trainer read this record; the fingerprint is computed from it at its first use, once (the resume check,
+else the build). The config stays as validated: nothing derived is written back into it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from llm.data.encoding import resolve_chat_template
+from llm.settings.fingerprint import Fingerprint, run_fingerprint
+from llm.settings.ppo import PPOConfig
+from llm.settings.registry import reward_type
+from llm.utils.modeling import load_tokenizer
+
+
+@dataclass(frozen=True)
+class PPOContext:
+    config: PPOConfig
+    tokenizer: PreTrainedTokenizerBase  # the actor's: the prompts' and responses' ids, and every role reading them
+    reward_tokenizer: PreTrainedTokenizerBase | None  # the reward model's (None: a reward type without a model)
+    use_chat_template: bool  # data.use_chat_template as the prompts are rendered (unset: the actor tokenizer decides)
+
+    @classmethod
+    def load(cls, c: PPOConfig) -> PPOContext:
+        """The run's tokenizers, each loaded once, and what they decide (the chat-template choice is logged)."""
+        a, r = c.actor_rollout, c.reward
+        actor_path = a.tokenizer_name_or_path or a.model_name_or_path
+        tokenizer = load_tokenizer(actor_path)
+        reward_tokenizer = None
+        if reward_type(r.type).has_model:
+            path = r.tokenizer_name_or_path or r.model_name_or_path
+            same = _same_path(path, actor_path)
+            reward_tokenizer = tokenizer if same else load_tokenizer(path)
+        use_chat_template = resolve_chat_template(c.data.use_chat_template, tokenizer, "data.use_chat_template")
+        return cls(c, tokenizer, reward_tokenizer, use_chat_template)
+
+    @functools.cached_property
+    def fingerprint(self) -> Fingerprint:
+        """``llm.settings.fingerprint.run_fingerprint`` of the run (the prompt files hashed), computed once."""
+        return run_fingerprint(self.config, use_chat_template=self.use_chat_template)
+
+
+def _same_path(a: str, b: str) -> bool:
+    """Whether two tokenizer paths name the same tokenizer (a directory that exists: by its real path)."""
+    real = lambda p: os.path.realpath(p) if os.path.exists(p) else p
+    return real(a) == real(b)
