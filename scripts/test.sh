@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The tests: the whole suite in .venv, then the vLLM rollout tests in .venv-vllm (bash scripts/setup.sh and
+# The tests: the whole suite in .venv, then the vLLM tests (rollout, search) in .venv-vllm (bash scripts/setup.sh and
 # bash scripts/setup.sh --vllm make them). Without .venv-vllm the vLLM tests have not run: this says so and fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,4 +11,4 @@ if [ ! -x .venv-vllm/bin/python ]; then
   exit 1
 fi
 # REQUIRE_VLLM: vLLM that does not import is a failure here, not a skip
-REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest -q tests/test_vllm_rollout.py
+REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest -q tests/test_vllm_rollout.py tests/test_search_vllm.py

@@ -7,6 +7,7 @@ says why and how old checkpoints resume."""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -16,8 +17,9 @@ import pytest
 from llm.settings.dpo import DPO_ARGUMENT_TYPES
 from llm.settings.fingerprint import FINGERPRINT_VERSION, run_fingerprint
 from llm.settings.label import LABEL_ARGUMENT_TYPES
-from llm.settings.load import parse_arguments, parse_ppo_config
+from llm.settings.load import parse_arguments, parse_ppo_config, parse_search_config
 from llm.settings.reward import REWARD_ARGUMENT_TYPES
+from llm.settings.search import SEARCH_SECTIONS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAVED = os.path.join(ROOT, "tests", "data", "config_fingerprints.json")
@@ -26,6 +28,10 @@ CONFIGS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, 
 
 def values_of(path: str) -> dict:
     kind = os.path.basename(path).split("_")[0]
+    if kind == "search":  # evaluation only, nothing trained: its settings as read, which must keep their meaning
+        config = parse_search_config([path])
+        values = {name: dataclasses.asdict(getattr(config, name)) for name in SEARCH_SECTIONS}
+        return portable(json.loads(json.dumps(values, sort_keys=True).replace(os.path.realpath(ROOT), "<repo>")))
     if kind in ("ppo", "grpo"):
         fingerprint = run_fingerprint(parse_ppo_config([path]))
     else:

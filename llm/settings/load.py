@@ -5,7 +5,8 @@ validate (``flat.validate_arguments`` / ``ppo_validation.validate_ppo_config``; 
 flat one after parsing, PPO's is called here).
 
 ``parse_arguments(argv, types)`` gives the flat scripts' ``(ModelArgument, DataArgument, TrainingArguments)``
-(their subclasses for reward models and DPO); ``parse_ppo_config(argv)`` gives a checked ``PPOConfig``.
+(their subclasses for reward models and DPO); ``parse_ppo_config(argv)`` gives a checked ``PPOConfig``;
+``parse_search_config(argv)`` a checked ``SearchConfig`` (``run_search.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from llm.settings.files import JSON_EXTENSIONS, LAUNCH_SCRIPT_EXTENSIONS, YAML_E
 from llm.settings.flat import ARGUMENT_TYPES, INPUT_PATHS, TRAINING_BOUNDS, TrainingArguments
 from llm.settings.ppo import OPTIONAL_SECTIONS, ROLES, SECTIONS, PPOConfig
 from llm.settings.ppo_validation import validate_ppo_config
+from llm.settings.search import SEARCH_SECTIONS, SearchConfig, validate_search_config
 from llm.utils.errors import UserError, closest
 from llm.utils.logging import log_config_notes
 from llm.utils.paths import resolve_paths
@@ -149,3 +151,39 @@ def resolve_input_paths(c: PPOConfig, path: str) -> None:
     resume = c.training.resume_from_checkpoint
     if resume and resume.lower() not in ("auto", "true", "last", "false", "none"):
         c.training.resume_from_checkpoint = resolve_paths(resume, "training.resume_from_checkpoint", path)
+
+
+# --- PRM-guided search ----------------------------------------------------------------------------------
+SEARCH_SCHEMA = Schema(sections=SEARCH_SECTIONS, default_section="search")
+
+
+def parse_search_config(argv: list[str]) -> SearchConfig:
+    """``CONFIG.{json,yaml} [--section.field value ...]`` -> a checked, read-only ``SearchConfig``: input paths
+    resolved as PPO's (the working directory, then the repository root) before the sections are built."""
+    source = read_config_file(
+        argv[0] if argv else "",
+        "search",
+        CONFIG_EXTENSIONS,
+        "usage: run_search.py CONFIG.json|CONFIG.yaml [--section.field value ...]",
+        f"one object with sections {', '.join(SEARCH_SECTIONS)}",
+    )
+    path, raw = source.path, source.raw
+    for key in raw:
+        if key not in SEARCH_SECTIONS:
+            raise UserError(
+                f"{path}: unknown section {key!r}; closest valid names: {closest(str(key), SEARCH_SECTIONS)}"
+            )
+    raw = merge(raw, parse_overrides(argv[1:], SEARCH_SCHEMA))
+    for section in ("policy", "prm"):
+        values = raw.get(section)
+        for name in ("model_name_or_path", "tokenizer_name_or_path"):
+            if isinstance(values, Mapping) and isinstance(values.get(name), str):
+                raw[section] = values = {**values, name: _input_path(values[name], f"{section}.{name}", path)}
+    data = raw.get("data")
+    if isinstance(data, Mapping) and isinstance(data.get("problems_path"), str):
+        found = resolve_paths(data["problems_path"], "data.problems_path", path)
+        raw["data"] = {**data, "problems_path": ",".join(os.path.abspath(p) for p in found.split(","))}
+    sections = {name: fields.build(cls, raw.get(name, {}), path, section=name) for name, cls in SEARCH_SECTIONS.items()}
+    config = SearchConfig(**sections, source=path, notes=tuple(source.notes))
+    validate_search_config(config, path)
+    return config

@@ -1,5 +1,6 @@
 """Registries of the variants a config chooses by name: advantage estimators, KL estimators and controllers,
-reward types, PRM score aggregations, DPO losses, tool-call formats.
+reward types, PRM score aggregations, DPO losses, tool-call formats, step scorers (the kinds of process reward
+model the search reads).
 
 A registry is declared here, on the schema's side, and filled by the module that implements its variants
 (``provider``), which adds each one on import (``llm.alignment.ppo.algorithm`` adds ``gae``, ``grpo``, ...).
@@ -112,6 +113,8 @@ DPO_LOSSES = Registry("loss_type", "llm.alignment.dpo.loss")  # name -> LossSpec
 TOOL_CALL_FORMATS = Registry(
     "environment.tool_call_format", "llm.alignment.ppo.agent.parsers"
 )  # name -> ToolCallFormat
+# name -> StepScorer class (``from_settings``)
+STEP_SCORERS = Registry("prm.kind", "llm.alignment.rm.scoring", default="discriminative")
 
 # algorithm.kl_penalty also takes "full": the exact KL over the vocabulary (not a per-token estimator)
 EXACT_KL = "full"

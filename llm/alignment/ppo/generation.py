@@ -82,6 +82,7 @@ def generate(
     with_log_probs: bool = False,
     gather_for_generation: bool = True,
     synced: bool | None = None,
+    stop: str | None = None,
 ):
     """Responses (with EOS if generated, without padding), ``num_samples`` per prompt, consecutive;
     with ``with_log_probs`` also their tokens' log-probs ``(B, T)`` (right-padded with 0), taken
@@ -91,7 +92,9 @@ def generate(
     depend on where the role runs. ``gather_for_generation``: in an FSDP2 group, full weights once per
     call (``gathered_for_decoding``) instead of at every decoding step. ``synced``: whether the ranks of the
     process group generate in step (a model sharded over them); None: when there is a group of several
-    (``sharded()``); False: every rank holds a model of its own (``llm/run_label.py`` under torchrun)."""
+    (``sharded()``); False: every rank holds a model of its own (``llm/run_label.py`` under torchrun).
+    ``stop``: a text that also ends a response (transformers' ``stop_strings``: the response ends with the token
+    that completes it, which may run past it; the PRM-guided search cuts there)."""
     synced = sharded() if synced is None else synced
     if seed is not None:
         torch.manual_seed(seed)
@@ -125,6 +128,7 @@ def generate(
             eos_token_id=None if ignore_eos else tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
             synced_gpus=synced,  # FSDP2 ranks step together until every rank has finished
+            **({"stop_strings": [stop], "tokenizer": tok} if stop else {}),
         )
     model.train(was_training)
     responses = []

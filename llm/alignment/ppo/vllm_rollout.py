@@ -202,9 +202,11 @@ class VLLMRollout:
         ignore_eos: bool = False,
         seed: int | None = None,
         with_log_probs: bool = False,
+        stop: str | None = None,
     ):
         """Responses (with EOS if generated), ``num_samples`` per prompt, consecutive; with ``with_log_probs``
-        also their tokens' log-probs ``(B, T)``, right-padded with 0."""
+        also their tokens' log-probs ``(B, T)``, right-padded with 0. ``stop``: a text that also ends a response
+        (vLLM's stop strings, matched on the detokenised text; the ids returned are every token generated)."""
         self._awake()
         eos = self.tokenizer.eos_token_id
         requests, params = [], []
@@ -223,7 +225,9 @@ class VLLMRollout:
                         stop_token_ids=None if ignore_eos or eos is None else [eos],
                         seed=None if seed is None else request_seed(seed, k),
                         logprobs=0 if with_log_probs else None,
-                        detokenize=False,
+                        detokenize=stop is not None,  # stop strings are matched on the text
+                        stop=[stop] if stop else None,
+                        include_stop_str_in_output=True,
                     )
                 )
         outputs = self.llm.generate(requests, params, use_tqdm=False)

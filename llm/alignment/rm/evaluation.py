@@ -41,6 +41,8 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from llm.utils.errors import UserError
+
 AGGREGATIONS: dict[str, Callable[[Sequence[float]], float]] = {
     "min": min,
     "product": math.prod,
@@ -188,13 +190,19 @@ def sigmoid(x: float) -> float:
 Scorer = tuple[Callable[[Candidate], float], Callable[[Candidate], float]]  # (rank for best-of-N, vote weight)
 
 
-def _best_of_n(groups: dict[str, list[Candidate]], scorers: dict[str, Scorer], seed: int | None) -> dict[str, float]:
-    """``bon<suffix>@N``, ``weighted_vote<suffix>@N`` per scorer, ``majority_vote@N``, ``pass@N``."""
+def _best_of_n(
+    groups: dict[str, list[Candidate]], scorers: dict[str, Scorer], seed: int | None, ns: Sequence[int] | None = None
+) -> dict[str, float]:
+    """``bon<suffix>@N``, ``weighted_vote<suffix>@N`` per scorer, ``majority_vote@N``, ``pass@N``; at each N of
+    ``ns`` (default ``sizes`` of the smallest group)."""
     if not groups:
         return {}
     ordered = drawn_order(groups, seed)
     out: dict[str, float] = {"bon_groups": float(len(groups))}
-    for n in sizes(min(len(g) for g in ordered.values())):
+    smallest = min(len(g) for g in ordered.values())
+    if ns is not None and any(n > smallest for n in ns):
+        raise ValueError(f"best-of-N at N = {max(ns)} over groups of {smallest} candidates")
+    for n in ns if ns is not None else sizes(smallest):
         firsts = [g[:n] for g in ordered.values()]
         out[f"majority_vote@{n}"] = sum(_majority(c).correct for c in firsts) / len(firsts)
         out[f"pass@{n}"] = sum(any(x.correct for x in c) for c in firsts) / len(firsts)
@@ -206,10 +214,11 @@ def _best_of_n(groups: dict[str, list[Candidate]], scorers: dict[str, Scorer], s
 
 
 def best_of_n_metrics(
-    groups: dict[str, list[Candidate]], aggregations: Sequence[str], seed: int | None
+    groups: dict[str, list[Candidate]], aggregations: Sequence[str], seed: int | None, ns: Sequence[int] | None = None
 ) -> dict[str, float]:
     """``bon_<agg>@N``, ``weighted_vote_<agg>@N``, ``majority_vote@N``, ``pass@N`` as shares of groups (a PRM:
-    the aggregated step scores p(correct) rank and weigh the candidates)."""
+    the aggregated step scores p(correct) rank and weigh the candidates), at each N of ``ns`` (default: 1, 2, 4,
+    ... up to the smallest group)."""
     scorers: dict[str, Scorer] = {}
     for agg in aggregations:
         fn = AGGREGATIONS.get(agg, lambda s: s[-1])  # "score": an ORM's one score
@@ -218,7 +227,7 @@ def best_of_n_metrics(
             return fn(c.scores)
 
         scorers[f"_{agg}"] = (score, score)
-    return _best_of_n(groups, scorers, seed)
+    return _best_of_n(groups, scorers, seed, ns)
 
 
 def orm_score(c: Candidate) -> float:
@@ -233,6 +242,51 @@ def orm_best_of_n_metrics(groups: dict[str, list[Candidate]], seed: int | None) 
     ``weighted_vote@N`` (argmax over answers of the summed ``sigmoid(logit)``), ``majority_vote@N`` and
     ``pass@N`` (the same as ``best_of_n_metrics`` gives on the same groups), as shares of groups."""
     return _best_of_n(groups, {"": (orm_score, lambda c: sigmoid(orm_score(c)))}, seed)
+
+
+# --- both, from any step scorer's scores --------------------------------------------------------------------
+def best_threshold_metrics(solutions: Sequence[Solution], subset: str) -> dict[str, float]:
+    """The threshold with the best ProcessBench F1 on ``subset``, that F1, and every metric at it."""
+    tuned = [s for s in solutions if s.subset is not None and metric_name(s.subset) == metric_name(subset)]
+    if not tuned:
+        found = sorted({s.subset for s in solutions if s.subset is not None})
+        raise UserError(
+            f"prm_threshold_subset={subset!r}: no ProcessBench record of that subset in the eval data "
+            f"(subsets: {', '.join(found) or 'none'})"
+        )
+    best, best_f1 = best_threshold(tuned)
+    metrics = {"processbench_best_threshold": best, f"processbench_{metric_name(subset)}_best_f1": best_f1}
+    at_best = processbench_metrics(solutions, best)
+    metrics.update({f"{k}_at_best_threshold": v for k, v in at_best.items() if k != "processbench_threshold"})
+    return metrics
+
+
+def step_score_metrics(
+    scores: Sequence[Sequence[float]],
+    records: Sequence,
+    threshold: float,
+    threshold_subset: str | None,
+    aggregations: Sequence[str],
+    seed: int | None,
+) -> dict[str, float]:
+    """ProcessBench over the records with a first-error label (``processbench_metrics``; with ``threshold_subset``
+    also at the threshold best on that subset) and best-of-N over those with a correct flag (``best_of_n_metrics``),
+    ``scores[i]`` being record ``i``'s step scores p(correct): the PRM trainer's evaluation forward or any
+    ``StepScorer`` (``llm.alignment.rm.scoring.score_records``) gives them."""
+    solutions, groups = [], defaultdict(list)
+    for s, rec in zip(scores, records, strict=True):
+        if getattr(rec, "first_error", None) is not None:
+            solutions.append(Solution(s, rec.first_error, rec.subset, rec.generator))
+        if getattr(rec, "correct", None) is not None and s:
+            groups[rec.group].append(Candidate(s, rec.answer, rec.correct))
+    metrics: dict[str, float] = {}
+    if solutions:
+        metrics.update(processbench_metrics(solutions, threshold))
+        if threshold_subset is not None:
+            metrics.update(best_threshold_metrics(solutions, threshold_subset))
+    if groups:
+        metrics.update(best_of_n_metrics(groups, aggregations, seed))
+    return metrics
 
 
 def plot_best_of_n(metrics: dict[str, float], path: str, title: str = "best-of-N") -> None:

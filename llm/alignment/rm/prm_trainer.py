@@ -9,26 +9,15 @@ and best-of-N (records with an answer and a correct flag) of ``llm.alignment.rm.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch.nn.functional as F
 
 from llm.alignment.lm import full_weight
-from llm.alignment.rm.evaluation import (
-    Candidate,
-    Solution,
-    best_of_n_metrics,
-    best_threshold,
-    first_error,
-    metric_name,
-    processbench_metrics,
-)
+from llm.alignment.rm.evaluation import first_error, step_score_metrics
 from llm.alignment.rm.loss import soft_step_loss, step_loss, step_scores
 from llm.alignment.rm.trainer import RewardTrainer
 from llm.alignment.trainer import ItemOutputs
 from llm.data.encode_reward import POSITIVE, UNLABELLED
 from llm.data.packing import PackedBatch
-from llm.utils.errors import UserError
 from llm.utils.lora import head_bias
 
 
@@ -77,44 +66,24 @@ class PRMTrainer(RewardTrainer):
     def record_metrics(self, examples: list[dict], records: list) -> dict[str, float]:
         """ProcessBench over the records with a first-error label (their examples get ``predicted_first_error``),
         with ``prm_threshold_subset`` also at the threshold best on that subset; best-of-N over the records with
-        an answer and a correct flag."""
+        an answer and a correct flag (``step_score_metrics``, which reads any step scorer's scores)."""
         args = self.args
-        metrics: dict[str, float] = {}
-        solutions, groups = [], defaultdict(list)
         for ex in examples:
             rec = records[ex["record"]]
             ex["labels"] = rec.labels[: len(ex["step_scores"])]  # the scored steps' labels (a cut keeps the first)
             if getattr(rec, "first_error", None) is not None:
                 ex["first_error"] = rec.first_error
                 ex["predicted_first_error"] = first_error(ex["step_scores"], args.prm_threshold)
-                solutions.append(Solution(ex["step_scores"], rec.first_error, rec.subset, rec.generator))
-            if getattr(rec, "correct", None) is not None and ex["step_scores"]:
-                groups[rec.group].append(Candidate(ex["step_scores"], rec.answer, rec.correct))
-        if solutions:
-            metrics.update(processbench_metrics(solutions, args.prm_threshold))
-            if args.prm_threshold_subset is not None:
-                metrics.update(self.best_threshold_metrics(solutions, args.prm_threshold_subset))
-        if groups:
-            aggregations = [a.strip() for a in args.bon_aggregations.split(",")]
-            bon = best_of_n_metrics(groups, aggregations, args.seed)
-            metrics.update(bon)
-            self.plot_best_of_n(bon, "best-of-N")
-        return metrics
-
-    @staticmethod
-    def best_threshold_metrics(solutions: list[Solution], subset: str) -> dict[str, float]:
-        """The threshold with the best ProcessBench F1 on ``subset``, that F1, and every metric at it."""
-        tuned = [s for s in solutions if s.subset is not None and metric_name(s.subset) == metric_name(subset)]
-        if not tuned:
-            found = sorted({s.subset for s in solutions if s.subset is not None})
-            raise UserError(
-                f"prm_threshold_subset={subset!r}: no ProcessBench record of that subset in the eval data "
-                f"(subsets: {', '.join(found) or 'none'})"
-            )
-        best, best_f1 = best_threshold(tuned)
-        metrics = {"processbench_best_threshold": best, f"processbench_{metric_name(subset)}_best_f1": best_f1}
-        at_best = processbench_metrics(solutions, best)
-        metrics.update({f"{k}_at_best_threshold": v for k, v in at_best.items() if k != "processbench_threshold"})
+        metrics = step_score_metrics(
+            [ex["step_scores"] for ex in examples],
+            [records[ex["record"]] for ex in examples],
+            args.prm_threshold,
+            args.prm_threshold_subset,
+            [a.strip() for a in args.bon_aggregations.split(",")],
+            args.seed,
+        )
+        if "bon_groups" in metrics:
+            self.plot_best_of_n(metrics, "best-of-N")
         return metrics
 
     def metric_names(self) -> list[str]:

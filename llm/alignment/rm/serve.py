@@ -7,7 +7,8 @@ of every step). ``GET /health`` answers ``{"status": "ok", "kind": "prm" | "orm"
 
 The scores are those of PPO's in-process rewards, by the same code (``ORMReward``, ``PRMReward``): the
 ORM's score head at the last response token (the texts tokenised with the reward model's tokenizer, EOS
-appended to an ended response), the PRM's step scores from the response split at ``step_separator``,
+appended to an ended response), the PRM's step scores from the response split at ``step_separator``, read
+by the PRM's step scorer (``llm.alignment.rm.scoring``, the interface every PRM kind implements) and
 aggregated by ``prm_aggregation``. A request larger than ``max_request_bytes`` is refused (413) before it
 is read; one that is not of the form above gets 400 with the reason; a body that ends before its
 Content-Length (the client closed its side) gets 400 saying so; a client that sends its body slower than
@@ -142,7 +143,8 @@ class RewardScorer:
             logger.debug("scoring %d samples", len(samples.responses))
             if self.kind == "orm":
                 return {"scores": self.reward.score(samples).scores.tolist()}
-            steps, _ = self.reward.step_scores(samples)  # one forward; aggregated as PRMReward.score does
+            # the step scorer (llm.alignment.rm.scoring) of the response's steps, as PPO's PRMReward reads them
+            steps = self.reward.step_scores(samples)[0]
         aggregate = PRM_AGGREGATIONS[self.reward.aggregation]
         return {"scores": [aggregate(s) for s in steps], "step_scores": steps}
 

@@ -1,8 +1,9 @@
 """``reward.type: orm`` / ``prm``: a trained reward model read with the packed forward engine (engine.py).
 
 - ``ORMReward``: the score head at the last response token, one outcome score per sample.
-- ``PRMReward``: the response split into steps, the placeholder after each, ``P(+)`` per step read from
-  the LM head's two reward tokens; ``prm_aggregation`` (``PRM_AGGREGATIONS``) turns them into a dense
+- ``PRMReward``: the response split into steps, scored by the discriminative PRM's step scorer
+  (``llm.alignment.rm.scoring``: the placeholder after each step, ``P(+)`` read from the LM head's two reward
+  tokens); ``prm_aggregation`` (``PRM_AGGREGATIONS``) turns them into a dense
   reward at each step's last response token, or one outcome score.
 
 A reward model of another vocabulary than the actor's reads re-tokenised text (``retokenise``).
@@ -13,18 +14,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedTokenizerBase
 
-from llm.alignment.lm import full_weight
 from llm.alignment.ppo.engine import forward_readouts
 from llm.alignment.ppo.fsdp import head_linear
 from llm.alignment.ppo.interfaces import RewardOutput, Samples
 from llm.alignment.ppo.loading import load_frozen, offload_idle
 from llm.alignment.ppo.rewards.base import RewardFunction, register_reward
 from llm.alignment.rm.evaluation import AGGREGATIONS
-from llm.alignment.rm.loss import step_scores
-from llm.data.encode_reward import prm_response_ids
+from llm.alignment.rm.scoring import DiscriminativePRM
 from llm.data.encoding import single_token_id
 from llm.data.packing import causal_example
 from llm.settings.registry import PRM_AGGREGATIONS
@@ -103,6 +101,13 @@ def split_steps(text: str, separator: str) -> list[tuple[int, int]]:
     return spans
 
 
+def response_steps(text: str, separator: str) -> tuple[list[str], list[tuple[int, int]]]:
+    """The steps of a response as a PRM reads them (each stripped; a response without a non-empty step is one step,
+    its stripped text or ``(empty)``) and their character spans (``split_steps``)."""
+    spans = split_steps(text, separator)
+    return [text[s:e].strip() for s, e in spans] or [text.strip() or "(empty)"], spans
+
+
 def decoded_lengths(tokenizer, ids: list[int]) -> list[int]:
     """``len(tokenizer.decode(ids[: k + 1], skip_special_tokens=True))`` for every ``k``, in one pass.
 
@@ -159,9 +164,10 @@ class PRMReward(RewardFunction):
         micro_batch_size: int,
     ) -> None:
         self.model, self.tokenizer, self.actor_tokenizer = model, tokenizer, actor_tokenizer
-        self.separator, self.placeholder, self.placeholder_id = separator, placeholder, placeholder_id
-        self.reward_token_ids, self.aggregation = list(reward_token_ids), aggregation
-        self.micro_batch_size = micro_batch_size
+        self.separator, self.aggregation = separator, aggregation
+        self.scorer = DiscriminativePRM(
+            model, tokenizer, placeholder, reward_token_ids, placeholder_id, micro_batch_size
+        )
 
     @classmethod
     def from_config(cls, c: PPOConfig, place: Place, run: PPOContext) -> PRMReward:
@@ -186,26 +192,12 @@ class PRMReward(RewardFunction):
         )
         return offload_idle(c, prm, model, "reward", place, ("score",))
 
-    @torch.no_grad()
     def step_scores(self, samples: Samples) -> tuple[list[list[float]], list[list[tuple[int, int]]]]:
-        spans = [split_steps(r, self.separator) for r in samples.responses]
-        examples = []
-        for i, (prompt, text) in enumerate(zip(samples.prompts, samples.responses)):
-            steps = [text[s:e].strip() for s, e in spans[i]] or [text.strip() or "(empty)"]
-            p = self.tokenizer(prompt)["input_ids"]
-            # token level, as in PRM training: exactly one placeholder id per step, whatever the tokenizer
-            r, marks = prm_response_ids(self.tokenizer, steps, self.placeholder, self.placeholder_id)
-            examples.append(causal_example(p + r, [len(p) + m for m in marks], [0] * len(marks), record=i))
-        per_sample: list[list[float]] = [[] for _ in range(len(samples))]
-        lm_head = self.model.get_output_embeddings()
-        head = lambda hidden: F.linear(hidden, full_weight(lm_head.weight)[self.reward_token_ids])
+        """p(correct) of every step of every response (the step scorer's) and the steps' character spans."""
+        split = [response_steps(r, self.separator) for r in samples.responses]
         self.samples_seen += len(samples)
-        pad = self.tokenizer.pad_token_id
-        for batch, logits in forward_readouts(self.model, examples, self.micro_batch_size, pad, True, head):
-            probs = step_scores(logits).cpu().tolist()
-            for e, prob in zip(batch.records[batch.readout_example].tolist(), probs):
-                per_sample[e].append(prob)
-        return per_sample, spans
+        per_sample = self.scorer.score_steps(list(samples.prompts), [steps for steps, _ in split])
+        return per_sample, [spans for _, spans in split]
 
     def score(self, samples: Samples) -> RewardOutput:
         per_sample, spans = self.step_scores(samples)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +25,27 @@ if TYPE_CHECKING:
     from llm.settings.ppo import PPOConfig
 
 
+def import_function(spec: str, field: str) -> Callable:
+    """The function ``spec`` (``'package.module:function'``) names, imported: the code of a user's config, which
+    they trust. Anything wrong (no such module or function, the module failing as it loads) stops the run with
+    one message naming ``field``."""
+    module_name, _, fn_name = spec.partition(":")
+    if not module_name or not fn_name:
+        raise UserError(f"{field} {spec!r}: must be 'package.module:function'")
+    if module_name in MOVED_MODULES:
+        logger.info("%s %s: module %s is now %s", field, spec, module_name, MOVED_MODULES[module_name])
+        module_name = MOVED_MODULES[module_name]
+    try:
+        fn = getattr(importlib.import_module(module_name), fn_name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise UserError(f"{field} {spec!r}: cannot import ({err}); use 'package.module:function'") from None
+    except BaseException as err:  # noqa: BLE001 - the module's own code failed while it was imported
+        raise UserError(f"{field} {spec!r}: importing {module_name} raised {type(err).__name__}: {err}") from None
+    if not callable(fn):
+        raise UserError(f"{field} {spec!r}: {fn_name} is not a function")
+    return fn
+
+
 @register_reward("rule")
 class RuleReward(RewardFunction):
     """``module:function(prompt, response, reference) -> float``. The module is imported and the function
@@ -31,22 +53,7 @@ class RuleReward(RewardFunction):
     ``KeyboardInterrupt`` included) stops the run with a message naming the function and the sample."""
 
     def __init__(self, spec: str) -> None:
-        module_name, _, fn_name = spec.partition(":")
-        if not module_name or not fn_name:
-            raise UserError(f"reward.rule {spec!r}: must be 'package.module:function'")
-        if module_name in MOVED_MODULES:
-            logger.info("reward.rule %s: module %s is now %s", spec, module_name, MOVED_MODULES[module_name])
-            module_name = MOVED_MODULES[module_name]
-        try:
-            self.fn = getattr(importlib.import_module(module_name), fn_name)
-        except (ImportError, AttributeError, ValueError) as err:
-            raise UserError(f"reward.rule {spec!r}: cannot import ({err}); use 'package.module:function'") from None
-        except BaseException as err:  # noqa: BLE001 - the module's own code failed while it was imported
-            raise UserError(
-                f"reward.rule {spec!r}: importing {module_name} raised {type(err).__name__}: {err}"
-            ) from None
-        if not callable(self.fn):
-            raise UserError(f"reward.rule {spec!r}: {fn_name} is not a function")
+        self.fn = import_function(spec, "reward.rule")
         self.spec = spec
 
     @classmethod
