@@ -72,7 +72,9 @@ def task_spec(a, name: str | None = None):
     spec = TASKS[name or a.task]
     if a.model != "tiny":
         return spec
-    return copy_spec(spec, max_prompt_length=1280, max_episode_tokens=1792, trl_completion_tokens=spec.trl_completion_tokens * 2)
+    return copy_spec(
+        spec, max_prompt_length=1280, max_episode_tokens=1792, trl_completion_tokens=spec.trl_completion_tokens * 2
+    )
 
 
 def env(threads: int, trl: bool = False) -> dict:
@@ -167,6 +169,10 @@ def prepare(a, name: str) -> dict:
     spec = TASKS[name]
     d = os.path.join(a.workdir, name)
     os.makedirs(d, exist_ok=True)
+    for f in os.listdir(d):  # an earlier run's results and checkpoints (the prompts and demos are written anew)
+        if f.startswith(("rl_", "eval_", "ours_step", "trl_step", "ours_run", "trl_run")):
+            path = os.path.join(d, f)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     base = base_model(a)
     tok_dir = make_tokenizer_dir(
         tokenizer_source(a, base), a.template, os.path.join(a.workdir, f"tokenizer_{a.template}")
@@ -381,6 +387,9 @@ def run_ours(a) -> dict:
                 "turns": m.get("episode/turns"),
                 "tool_calls": m.get("episode/tool_calls"),
                 "step_s": m["time/step"],
+                "generation_s": m.get("time/rollout_generation"),
+                "environment_s": m.get("time/rollout_environment"),
+                "update_s": m.get("time/update"),
             }
             log.append(row)
             print(
@@ -542,6 +551,8 @@ def run_trl(a) -> dict:
         logging_steps=1,
         save_strategy="no",
         disable_tqdm=True,
+        log_completions=True,  # two sampled episodes per step in the log
+        num_completions_to_print=2,
         use_vllm=False,
         dataloader_num_workers=0,
     )
@@ -870,7 +881,9 @@ def main() -> None:
     g.add_argument("--max-steps", type=int, default=100000)
     g.add_argument("--prompts", type=int, default=4, help="prompts per step")
     g.add_argument("--group", type=int, default=8, help="episodes per prompt")
-    g.add_argument("--micro-batch", type=int, default=8, help="episodes per forward / backward")
+    g.add_argument(
+        "--micro-batch", type=int, default=4, help="episodes per forward / backward (TRL: per_device_train_batch_size)"
+    )
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--lr", type=float, default=1e-5)
     g.add_argument("--beta", type=float, default=0.04, help="k3 KL coefficient (TRL beta, our kl_loss_coef)")
@@ -901,7 +914,9 @@ def main() -> None:
         a.warmup_steps = 2 if a.warmup_steps < 0 else a.warmup_steps
         a.prompts, a.group, a.micro_batch = min(a.prompts, 2), min(a.group, 4), min(a.micro_batch, 8)
     tag = os.path.basename(a.model.rstrip("/")) if a.model not in ("smollm2", "tiny") else a.model
-    a.workdir = a.workdir or os.path.join(ROOT, "output", "bench_agents_quick" if a.quick else "bench_agents")
+    a.workdir = a.workdir or os.path.join(
+        ROOT, "output", f"bench_agents_quick_{tag}" if a.quick else f"bench_agents_{tag}"
+    )
     a.out = a.out or (
         os.path.join(ROOT, "output", f"bench_agents_quick_{tag}.json")
         if a.quick
