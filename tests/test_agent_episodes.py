@@ -11,15 +11,14 @@ from llm.alignment.ppo.agent.episode import Task, episode_metrics
 from llm.alignment.ppo.agent.runner import EpisodeRunner
 from llm.settings.environment import EnvironmentConfig
 from llm.utils.errors import UserError
-from tests.helpers import ROOT
+from llm.utils.gguf import smollm2_dir
 
-SMOL = f"{ROOT}/models/SmolLM2-135M-Instruct"
 SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return AutoTokenizer.from_pretrained(SMOL)
+    return AutoTokenizer.from_pretrained(smollm2_dir())
 
 
 def ids(tok, text):

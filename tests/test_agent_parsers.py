@@ -15,11 +15,11 @@ from llm.alignment.ppo.agent.parsers import ToolCall, detect_format
 from llm.alignment.ppo.agent.tools import ToolResult
 from llm.settings.registry import TOOL_CALL_FORMATS
 from llm.utils.errors import UserError
-from tests.helpers import ROOT, TOKENIZER_DIR
+from llm.utils.gguf import smollm2_dir
+from tests.helpers import TOKENIZER_DIR
 from tests.test_prm_tokenizers import qwen_dir  # noqa: F401 - the real Qwen vocabulary, a session fixture
 
 TEMPLATES = os.path.join(os.path.dirname(importlib.util.find_spec("trl").origin), "chat_templates")
-SMOL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct")
 
 
 def parse(fmt, text):
@@ -172,7 +172,7 @@ def llama_tokenizer(name):
 
 
 def chatml_tokenizer(name):
-    tok = AutoTokenizer.from_pretrained(SMOL)
+    tok = AutoTokenizer.from_pretrained(smollm2_dir())
     tok.chat_template = template(name)
     return tok
 
@@ -219,7 +219,9 @@ def test_real_templates_are_read_back_in_their_own_format(make, name, fmt, calls
 
 
 def test_glm_calls_are_detected_from_its_template():
-    tok = AutoTokenizer.from_pretrained(SMOL)  # GLM ends a turn with the next role's token, not an EOS: parser only
+    tok = AutoTokenizer.from_pretrained(
+        smollm2_dir()
+    )  # GLM ends a turn with the next role's token, not an EOS: parser only
     user = [{"role": "user", "content": "hi"}]
     glm = template("glm4moe")
     before = tok.apply_chat_template(
@@ -261,7 +263,7 @@ def test_mistral_tokenizers_tool_calls_are_read():
 
 
 def test_smollm2_template_gets_the_tools_in_a_hermes_system_message():
-    tok = AutoTokenizer.from_pretrained(SMOL)
+    tok = AutoTokenizer.from_pretrained(smollm2_dir())
     chat = ChatFormat(tok, [SCHEMA])
     assert chat.format == "hermes" and not chat.renders_tools and chat.tool_role
     with_system = chat.prompt_messages([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
@@ -272,7 +274,7 @@ def test_smollm2_template_gets_the_tools_in_a_hermes_system_message():
 
 
 def test_a_format_the_template_does_not_write_is_refused_by_name():
-    tok = AutoTokenizer.from_pretrained(SMOL)
+    tok = AutoTokenizer.from_pretrained(smollm2_dir())
     tok.chat_template = template("gptoss")
     with pytest.raises(UserError, match="which no registered tool-call parser reads"):
         ChatFormat(tok, [SCHEMA])
