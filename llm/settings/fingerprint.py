@@ -155,7 +155,7 @@ ADDED_LATER = {
 
 # The same for the flat scripts' fields (ModelArgument, DataArgument, TrainingArguments and their subclasses), by
 # field name: a new field goes here with its default, so the configs that do not set it keep their fingerprints.
-FLAT_ADDED_LATER: dict[str, Any] = {"soft_labels": False}
+FLAT_ADDED_LATER: dict[str, Any] = {"soft_labels": False, "prm_kind": "discriminative"}
 
 # Fields whose value is a (comma-separated list of) data file(s) or directories: fingerprinted by content.
 _DATA_FIELDS = {"train_dataset_path", "data.train_dataset_path", "problems_path"}

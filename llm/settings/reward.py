@@ -11,6 +11,10 @@ from llm.settings.shared import reward_token_pair
 from llm.utils.errors import UserError
 
 
+# the PRM kinds run_reward.py trains (the field prm_kind); each is also a step scorer (STEP_SCORERS, same name)
+PRM_KINDS = ("discriminative",)
+
+
 @dataclass
 class RewardModelArgument(ModelArgument):
     placeholder_token: str = field(default="ки", metadata={"help": "PRM step placeholder token (one token)."})
@@ -36,6 +40,13 @@ class RewardModelArgument(ModelArgument):
 class RewardTrainingArguments(TrainingArguments):
     script: ClassVar[str] = "rm"
     process_reward: bool = field(default=False, metadata={"help": "true: process reward model (PRM); false: ORM."})
+    prm_kind: str = field(
+        default="discriminative",
+        metadata={
+            "help": "PRM: the kind trained and evaluated, one of PRM_KINDS: discriminative (a causal LM read at a "
+            "placeholder token after every step: softmax over the two reward tokens)."
+        },
+    )
     soft_labels: bool = field(
         default=False,
         metadata={
@@ -76,6 +87,10 @@ class RewardTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        if self.prm_kind not in PRM_KINDS:
+            raise UserError(f"prm_kind must be one of {', '.join(PRM_KINDS)}, got {self.prm_kind!r}")
+        if self.prm_kind != "discriminative" and not self.process_reward:
+            raise UserError(f"prm_kind {self.prm_kind!r} is a PRM's: set process_reward true, or remove prm_kind")
         if self.soft_labels and not self.process_reward:
             raise UserError("soft_labels is a PRM's (step soft labels): set process_reward true, or remove it")
         if self.prm_threshold > 1:
