@@ -226,3 +226,48 @@ def test_a_bad_list_exits_2_with_one_message(tmp_path):
     )
     assert run.returncode == 2, run.stderr[-2000:]
     assert "reward[1].weight must be a finite number > 0" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_a_multi_turn_episode_adds_the_weighted_rewards_of_the_whole_conversation(tmp_path):
+    """Echo's turns pay 0.1 and 0.2 (gamma 1: 0.3); the list's rules score the whole conversation (the environment's
+    messages included) and their weighted sum adds to it."""
+    from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
+    from llm.alignment.ppo.rewards.rule_functions import digit_fraction
+
+    tiny = os.path.join(ROOT, "llm", "config", "tiny", "ppo_argument.json")
+    path = ppo_config_file(
+        tmp_path,
+        tiny,
+        "grpo",
+        {
+            "actor_rollout": {"max_response_length": 4, "num_samples_per_step": 2, "ppo_mini_batch_size": 4},
+            "algorithm": {"adv_estimator": "grpo", "use_kl_in_reward": False},
+            "data": {"rollout_batch_size": 2, "use_chat_template": None},
+            "environment": {"name_or_path": "tests.agent_envs:Echo", "kwargs": {"turns": 2}, "max_episode_tokens": 256},
+        },
+    )
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+    raw["reward"] = [
+        {"type": "rule", "rule": "tests.agent_envs:always_one", "weight": 0.5},
+        {**DIGITS, "weight": 2.0},
+    ]
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(raw, f)
+    c = parse_ppo_config([path])
+    run = PPOContext.load(c)
+    with placed_roles(c, run) as roles:
+        trainer = build_ppo(c, load_prompts(c, run), roles, run)
+        eos = trainer.tokenizer.eos_token_id
+        digit = trainer.tokenizer("7", add_special_tokens=False)["input_ids"][-1]
+        trainer.generator.generate = lambda prompt_ids, **s: [[digit, eos] for _ in prompt_ids]
+        scored = trainer.source.collect(0).scored
+        exp = trainer.advantages(scored)
+    responses = scored.samples.responses
+    assert len(responses) == 4 and all("obs 1" in r for r in responses)  # the whole conversation was scored
+    digits = [digit_fraction("", r, None) for r in responses]
+    assert all(0 < d < 1 for d in digits)
+    assert scored.components["always_one"].tolist() == [1.0] * 4
+    assert scored.components["digit_fraction"].tolist() == pytest.approx(digits)
+    assert scored.raw_scores.tolist() == pytest.approx([0.5 + 2.0 * d for d in digits])
+    assert exp.rewards.sum(1).tolist() == pytest.approx([0.5 + 2.0 * d + 0.3 for d in digits], abs=1e-5)
