@@ -271,3 +271,9 @@ def test_a_multi_turn_episode_adds_the_weighted_rewards_of_the_whole_conversatio
     assert scored.components["digit_fraction"].tolist() == pytest.approx(digits)
     assert scored.raw_scores.tolist() == pytest.approx([0.5 + 2.0 * d for d in digits])
     assert exp.rewards.sum(1).tolist() == pytest.approx([0.5 + 2.0 * d + 0.3 for d in digits], abs=1e-5)
+
+
+def test_an_entry_that_fails_to_build_is_named(tmp_path):
+    c = config(tmp_path, [DIGITS, {"type": "rule", "rule": "no_such_module_xyz:f"}])
+    with pytest.raises(UserError, match=r"reward\[1\] \(f\): reward.rule 'no_such_module_xyz:f': cannot import"):
+        build_rewards(c, Place(), PPOContext.load(c))

@@ -26,6 +26,7 @@ from llm.alignment.ppo.interfaces import RewardOutput, Samples
 from llm.alignment.ppo.rewards.base import RewardFunction
 from llm.settings.registry import reward_type
 from llm.settings.reward_list import reward_names
+from llm.utils.errors import UserError
 
 if TYPE_CHECKING:
     from llm.alignment.ppo.context import PPOContext
@@ -65,5 +66,9 @@ def build_rewards(c: PPOConfig, place: Place, run: PPOContext) -> RewardFunction
     parts = []
     for i, (name, r) in enumerate(zip(reward_names(c), c.rewards)):
         one = dataclasses.replace(c, reward=r, extra_rewards=())
-        parts.append((name, float(r.weight), reward_type(r.type).build(one, place, run.for_reward(i, one))))
+        try:
+            built = reward_type(r.type).build(one, place, run.for_reward(i, one))
+        except UserError as err:  # its messages name reward.FIELD: say which entry of the list
+            raise UserError(f"reward[{i}] ({name}): {err}") from None
+        parts.append((name, float(r.weight), built))
     return WeightedRewards(parts)
