@@ -108,12 +108,16 @@ def select_scored(parts: list[tuple[Scored, list[int]]]) -> Scored:
     def field(name: str):
         return _cat([None if getattr(s, name) is None else getattr(s, name)[idx] for s, idx in parts], width)
 
+    components = None  # several rewards: each one's (B,), of the kept samples
+    if all(s.components is not None for s, _ in parts):
+        components = {name: torch.cat([s.components[name][idx] for s, idx in parts]) for name in parts[0][0].components}
     return Scored(
         merged,
         *(field(name) for name in ("mask", "logprobs", "ref_logprobs", "values", "kl", "scores", "raw_scores")),
         field("dense"),
         field("is_weights"),
         field("env_rewards"),
+        components,
     )
 
 

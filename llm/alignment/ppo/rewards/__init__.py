@@ -3,7 +3,8 @@ config check and the builder both read:
 
 - ``rule`` (rule.py): a Python function ``module:function(prompt, response, reference)``;
 - ``http`` (http.py): a scoring server;
-- ``orm`` / ``prm`` (model.py): a trained outcome / process reward model.
+- ``orm`` / ``prm`` (model.py): a trained outcome / process reward model;
+- several of them, weighted and summed (combined.py: ``reward`` as a list).
 
 Adding a type: a ``RewardFunction`` subclass with ``from_config`` and ``score``, decorated with
 ``@register_reward("name", needs=..., has_model=...)``, in a module imported here.
@@ -16,6 +17,7 @@ from llm.alignment.ppo.rewards.base import (
     check_score,
     register_reward,
 )
+from llm.alignment.ppo.rewards.combined import WeightedRewards, build_rewards
 from llm.alignment.ppo.rewards.http import HttpReward
 from llm.alignment.ppo.rewards.model import (
     ORMReward,
@@ -39,6 +41,8 @@ __all__ = [
     "RewardFunction",
     "RewardType",
     "RuleReward",
+    "WeightedRewards",
+    "build_rewards",
     "char_to_token_end",
     "check_reward_url",
     "check_score",
