@@ -13,12 +13,14 @@ from safetensors.torch import load_file
 
 from llm.alignment.ppo import generation
 from llm.alignment.ppo import trainer as trainer_module
-from llm.alignment.ppo.async_rollout import AsyncRollouts
+from llm.alignment.ppo.async_rollout import AsyncRollouts, LocalCopy
 from llm.alignment.ppo.build import PPOContext, build_ppo, load_prompts, placed_roles
 from llm.alignment.ppo.roles import PolicyModel
+from llm.alignment.ppo.rollout import Generator
 from llm.run_ppo import main
 from llm.settings.load import parse_ppo_config
 from llm.utils.errors import UserError
+from tests.helpers import tokenizer
 from tests.test_ppo_run import config, history
 
 STEPS3 = {"max_steps": 3, "log_samples": 100}
@@ -58,8 +60,8 @@ class Recording(AsyncRollouts):
 
     last = None
 
-    def __init__(self, context):
-        super().__init__(context)
+    def __init__(self, context, episodes=None):
+        super().__init__(context, episodes)
         Recording.last = self
 
 
@@ -230,3 +232,47 @@ def test_the_trainer_is_freed_without_a_garbage_collection(tmp_path, actor):
         assert [r() for r in refs] == [None, None]
     finally:
         gc.enable()
+
+
+def short_turns(real_generate):
+    """``generate`` whose every response is cut to 2 tokens + EOS: episodes of whole turns on a random tiny model."""
+
+    def generate(self, prompt_ids, **settings):
+        eos = tokenizer().eos_token_id
+        return [
+            (r[: r.index(eos)] if eos in r else list(r))[:2] + [eos]
+            for r in real_generate(self, prompt_ids, **settings)
+        ]
+
+    return generate
+
+
+def test_episodes_one_step_off(tmp_path, monkeypatch):
+    """Multi-turn episodes (a scripted environment, two turns) generated on the copy: with max_staleness 0 the run
+    equals the synchronous one, every metric and the final weights; with 1 each step's episodes come from the copy
+    one update behind, with the episode metrics of the step they train."""
+    monkeypatch.setattr(Generator, "generate", short_turns(Generator.generate))
+    monkeypatch.setattr(LocalCopy, "generate", short_turns(LocalCopy.generate))
+    env = {
+        "data": {"use_chat_template": None},
+        "environment": {"name_or_path": "tests.agent_envs:Echo", "kwargs": {"turns": 2}, "max_episode_tokens": 256},
+    }
+    runs = {}
+    for name, actor in (("sync", {"max_response_length": 16}), ("async0", {**S0, "max_response_length": 16}),
+                        ("async1", {**S1, "max_response_length": 16})):  # fmt: skip
+        d = tmp_path / name
+        d.mkdir()
+        main([config(d, training=STEPS3, actor_rollout=actor, **env)])
+        runs[name] = d / "out"
+
+    def comparable(out):
+        return [{k: v for k, v in untimed(h).items() if "seconds" not in k} for h in history(out)]
+
+    sync, async0, async1 = (comparable(runs[n]) for n in ("sync", "async0", "async1"))
+    assert async0 == sync and all(h["episode/turns"] == 2.0 and h["env_reward"] == pytest.approx(0.3) for h in sync)
+    for role in ("actor", "critic"):
+        a, b = weights(runs["sync"], role), weights(runs["async0"], role)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [h["staleness"] for h in history(runs["async1"])] == [0, 1, 1]
+    assert all(h["episode/turns"] == 2.0 and h["episode/episodes"] == 8 for h in async1)
+    assert async1[0] == sync[0] and async1[2]["policy_loss"] != sync[2]["policy_loss"]  # step 3: older samples

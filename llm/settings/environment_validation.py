@@ -31,11 +31,6 @@ def validate_environment(c: PPOConfig, path: str) -> None:
             f"{path}: data.use_chat_template is false, but an environment's and tools' messages are rendered with "
             "the actor tokenizer's chat template: remove it (or set it true)"
         )
-    if a.async_rollout:
-        raise UserError(
-            f"{path}: actor_rollout.async_rollout with an environment: one-step-off rollouts are single-turn here; set "
-            "async_rollout false"
-        )
     if a.rollout_engine == "vllm" and a.vllm_max_model_len is not None and a.vllm_max_model_len < e.max_episode_tokens:
         raise UserError(
             f"{path}: actor_rollout.vllm_max_model_len={a.vllm_max_model_len} is shorter than an episode "

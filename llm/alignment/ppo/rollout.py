@@ -110,6 +110,18 @@ class RolloutContext:
     score: Scorer
 
 
+@dataclass
+class Produced:
+    """A rollout before scoring, as a source that can run it on another policy gives it (the one-step-off async
+    copy): the samples, the generation's own log-probs, the source's metrics, and ``finish``, what the source does
+    to the scored batch (a multi-turn source zeroes the rewards of failed episodes)."""
+
+    samples: Samples
+    logprobs: torch.Tensor | None
+    metrics: dict[str, float]
+    finish: Callable[[RolloutBatch], None] | None = None
+
+
 def reuses_rollout_log_probs(c: PPOConfig) -> bool:
     """The old log-probs are the generation's (``rollout_log_probs``), not a forward's."""
     return c.actor_rollout.rollout_log_probs and c.algorithm.kl_penalty != "full"

@@ -108,9 +108,10 @@ class PPOTrainer:
     def rollout_source(self, asynchronous: bool) -> RolloutSource:
         """One-step-off async (``train`` with ``async_rollout``), multi-turn episodes (``environment``: agent/) or
         single-turn; DAPO's dynamic sampling around it with ``filter_groups`` (validation refuses it with async)."""
+        episodes = None if self.c.environment is None else MultiTurn(self.context)
         if asynchronous:
-            return AsyncRollouts(self.context)
-        source = SingleTurn(self.context) if self.c.environment is None else MultiTurn(self.context)
+            return AsyncRollouts(self.context, episodes)
+        source = SingleTurn(self.context) if episodes is None else episodes
         return DynamicSampling(source, self.c, self.prompt_stream) if self.c.algorithm.filter_groups else source
 
     def prompt_indices(self, step: int) -> list[int]:
