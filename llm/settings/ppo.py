@@ -246,7 +246,10 @@ class RefSection(FrozenModelSection):
 
 @dataclass
 class RewardSection(FrozenModelSection):
-    type: str = _f("rule", "a registered reward type (rewards/): orm | prm | rule | http, or one a module registers")
+    type: str = _f(
+        "rule",
+        "a registered reward type (rewards/): orm | prm | generative_prm | rule | http, or one a module registers",
+    )
     rule: str = "llm.alignment.ppo.rewards.rule_functions:math_exact_match"
     url: str | None = _f(None, "type http: the scoring server, an http:// or https:// URL (redirects are not followed)")
     timeout: float = _f(30.0, "seconds one HTTP reward request may take in all (connect, send, whole answer)", low=0)
@@ -257,6 +260,9 @@ class RewardSection(FrozenModelSection):
     placeholder_token: str = "ки"
     reward_tokens: str = "+,-"
     prm_aggregation: str = "dense"  # rewards.PRM_AGGREGATIONS: dense | min | last | mean
+    critique_samples: int = _f(1, "type generative_prm: critiques per response, their verdicts averaged", low=1)
+    max_critique_tokens: int = _f(64, "type generative_prm: the most tokens of one step's critique", low=0)
+    critique_temperature: float = _f(0.0, "type generative_prm: the critiques' temperature; 0: greedy", low=0)
     normalize_reward: bool = False
     reward_clip: float | None = _f(None, low=0)
     overlong_buffer_len: int = _f(
@@ -276,6 +282,11 @@ class RewardSection(FrozenModelSection):
         self.label_tokens = reward_token_pair(self.reward_tokens, "reward.reward_tokens")
         if self.url is not None:
             check_reward_url(self.url)
+        if self.critique_samples > 1 and self.critique_temperature == 0:
+            raise UserError(
+                "reward.critique_samples > 1 with reward.critique_temperature 0: greedy critiques are all the same; "
+                "set reward.critique_temperature > 0 or reward.critique_samples 1"
+            )
         for name, high in (("max_retries", 10), ("retry_backoff", 60.0), ("max_response_bytes", 2**30)):
             if getattr(self, name) > high:
                 raise UserError(f"reward.{name} must be at most {high:g}, got {getattr(self, name):g}")

@@ -3,7 +3,8 @@ config check and the builder both read:
 
 - ``rule`` (rule.py): a Python function ``module:function(prompt, response, reference)``;
 - ``http`` (http.py): a scoring server;
-- ``orm`` / ``prm`` (model.py): a trained outcome / process reward model.
+- ``orm`` / ``prm`` (model.py): a trained outcome / process reward model;
+- ``generative_prm`` (generative.py): a generative PRM (a critique, then a verdict, per step).
 
 Adding a type: a ``RewardFunction`` subclass with ``from_config`` and ``score``, decorated with
 ``@register_reward("name", needs=..., has_model=...)``, in a module imported here.
@@ -16,6 +17,7 @@ from llm.alignment.ppo.rewards.base import (
     check_score,
     register_reward,
 )
+from llm.alignment.ppo.rewards.generative import GenerativePRMReward
 from llm.alignment.ppo.rewards.http import HttpReward
 from llm.alignment.ppo.rewards.model import (
     ORMReward,
@@ -33,6 +35,7 @@ from llm.settings.registry import PRM_AGGREGATIONS, model_types, reward_type
 __all__ = [
     "PRM_AGGREGATIONS",
     "REWARDS",
+    "GenerativePRMReward",
     "HttpReward",
     "ORMReward",
     "PRMReward",
