@@ -59,8 +59,12 @@ class _Cache:
         self.device = next(model.parameters()).device
 
     def feed(self, ids: list[int]) -> torch.Tensor:
-        out = self.model(input_ids=torch.tensor([ids], device=self.device), cache=self.past, use_cache=True)
-        self.past = out.cache
+        # after the first piece one token at a time: several new tokens over a cache would meet a causal mask
+        # aligned to the top left by some attention kernels (SDPA's is_causal with fewer queries than keys)
+        pieces = [ids] if self.past is None else [[t] for t in ids]
+        for piece in pieces:
+            out = self.model(input_ids=torch.tensor([piece], device=self.device), cache=self.past, use_cache=True)
+            self.past = out.cache
         return out.logits[0, -1].float()
 
 
