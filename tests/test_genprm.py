@@ -257,3 +257,58 @@ def test_bad_settings_exit_2(tmp_path, capsys, args, needle):
         run_cli(main, ["llm/config/tiny/genprm_argument.json", "--output_dir", str(tmp_path / "o"), *args])
     assert exit_info.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_ppo_builds_the_generative_prm_reward_and_a_run_takes_it(tmp_path):
+    """reward.type generative_prm from a PPO config: built with the config's critique settings, its scores equal
+    the step scorer's over the same weights; one GRPO step of a run scores with it."""
+    from llm.alignment.ppo.build import PPOContext, build_role
+    from llm.alignment.ppo.interfaces import Samples
+    from llm.run_ppo import main as ppo_main
+    from llm.settings.load import parse_ppo_config
+    from tests.test_ppo_run import TINY_TOKENIZER, history
+    from tests.test_ppo_run import config as ppo_config
+
+    reward = {
+        "type": "generative_prm",
+        "model_name_or_path": f"{ROOT}/llm/assets/tiny-prm",
+        "tokenizer_name_or_path": TINY_TOKENIZER,
+        "init_from_config": True,
+        "max_critique_tokens": 2,
+        "prm_aggregation": "min",
+    }
+    c = parse_ppo_config([ppo_config(tmp_path, reward=reward)])
+    built = build_role(c, "reward", run=PPOContext.load(c))
+    assert built.scorer.settings.max_tokens == 2
+    tok = built.tokenizer
+    s = Samples([tok("q\n")["input_ids"]], [[5]], ["q\n"], ["a b\nc d"], [None], torch.ones(1, dtype=bool))
+    expected = built.scorer.score_steps(["q\n"], [["a b", "c d"]])[0]
+    assert built.score(s).scores.tolist() == pytest.approx([min(expected)])
+    out = tmp_path / "run"
+    ppo_main(
+        [
+            ppo_config(
+                tmp_path,
+                reward=reward,
+                training={"output_dir": str(out), "max_steps": 1},
+                algorithm={"adv_estimator": "grpo"},
+                actor_rollout={"num_samples_per_step": 2},
+            )
+        ]
+    )
+    assert len(history(out)) == 1 and 0 <= history(out)[0]["score"] <= 1
+
+
+def test_the_reward_server_serves_the_generative_prm(tmp_path):
+    from llm.alignment.rm.serve import ServeArgument, build_scorer
+    from llm.settings.load import parse_arguments
+    from llm.settings.reward import REWARD_ARGUMENT_TYPES
+
+    os.chdir(ROOT)
+    model_args, _, training_args = parse_arguments(
+        ["llm/config/tiny/genprm_argument.json", "--output_dir", str(tmp_path)], REWARD_ARGUMENT_TYPES
+    )
+    served = build_scorer(model_args, training_args, ServeArgument(prm_aggregation="last"))
+    answer = served.score(["q\n"], ["a b\nc d"], [None], [True])
+    expected = served.reward.scorer.score_steps(["q\n"], [["a b", "c d"]])[0]
+    assert answer["step_scores"][0] == pytest.approx(expected) and answer["scores"] == pytest.approx([expected[-1]])
