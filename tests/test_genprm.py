@@ -312,3 +312,31 @@ def test_the_reward_server_serves_the_generative_prm(tmp_path):
     answer = served.score(["q\n"], ["a b\nc d"], [None], [True])
     expected = served.reward.scorer.score_steps(["q\n"], [["a b", "c d"]])[0]
     assert answer["step_scores"][0] == pytest.approx(expected) and answer["scores"] == pytest.approx([expected[-1]])
+
+
+def test_eval_only_gives_processbench_and_best_of_n_from_the_judged_scores(tmp_path):
+    """An evaluation-only run on ProcessBench solutions and best-of-N candidates (no critiques): the metrics are
+    those the written step scores imply, and the scores are the step scorer's over the same weights."""
+    from llm.alignment.rm.evaluation import step_score_metrics
+    from llm.data.readers import load_dataset_records
+    from llm.run_reward import main
+
+    os.chdir(ROOT)
+    lines = []
+    for name, n in (("processbench_dev.jsonl", 6), ("bon_dev.jsonl", 8)):
+        with open(f"llm/data/sample/{name}", encoding="utf-8") as f:
+            lines += [next(f) for _ in range(n)]
+    dev = tmp_path / "dev.jsonl"
+    dev.write_text("".join(lines))
+    out = tmp_path / "out"
+    main(["llm/config/tiny/genprm_argument.json", "--output_dir", str(out), "--do_train", "false",
+          "--dev_dataset_path", str(dev), "--eval_random_init", "true", "--max_critique_tokens", "2"])  # fmt: skip
+    rows = read_jsonl(out / "eval_scores.jsonl")
+    results = read_json(out / "eval_results.json")
+    records = list(load_dataset_records(str(dev), "prm"))
+    scores = [r["step_scores"] for r in sorted(rows, key=lambda r: r["index"])]
+    metrics = step_score_metrics(scores, records, 0.5, None, ["min", "product", "last", "mean"], seed=42)
+    assert "processbench_f1" in metrics and "bon_min@2" in metrics
+    for key, value in metrics.items():
+        assert results[f"eval_{key}"] == pytest.approx(value, abs=1e-6, nan_ok=True), key
+    assert all("predicted_first_error" in r for r in rows[:6]) and "eval_loss" not in results

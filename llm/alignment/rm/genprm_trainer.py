@@ -136,6 +136,8 @@ class GenPRMTrainer(RewardTrainer):
         right = steps = 0
         for ex in examples:
             rec, j = records[ex["record"]], judged[ex["record"]]
+            if not ex.get("forced_step_scores"):  # a record without critiques: no teacher-forced verdicts
+                ex.pop("forced_step_scores", None)
             ex["step_scores"] = j.scores
             ex["critiques"] = j.critiques[0] if len(j.critiques) == 1 else j.critiques
             ex["labels"] = rec.labels
