@@ -340,3 +340,21 @@ def test_eval_only_gives_processbench_and_best_of_n_from_the_judged_scores(tmp_p
     for key, value in metrics.items():
         assert results[f"eval_{key}"] == pytest.approx(value, abs=1e-6, nan_ok=True), key
     assert all("predicted_first_error" in r for r in rows[:6]) and "eval_loss" not in results
+
+
+@pytest.mark.parametrize("folder", ["tiny", "smollm2"])
+def test_the_genprm_configs_parse_strictly_with_their_data(folder):
+    from llm.settings.load import parse_arguments
+    from llm.settings.reward import REWARD_ARGUMENT_TYPES
+
+    os.chdir(ROOT)
+    _, data_args, training_args = parse_arguments([f"llm/config/{folder}/genprm_argument.json"], REWARD_ARGUMENT_TYPES)
+    assert training_args.process_reward and training_args.prm_kind == "generative"
+    for path in (data_args.train_dataset_path, data_args.dev_dataset_path):
+        assert all(r.critiques for r in _records(path))
+
+
+def _records(path):
+    from llm.data.readers import load_dataset_records
+
+    return list(load_dataset_records(path, "prm"))
