@@ -16,6 +16,7 @@ import pytest
 
 from llm.settings.dpo import DPO_ARGUMENT_TYPES
 from llm.settings.fingerprint import FINGERPRINT_VERSION, run_fingerprint
+from llm.settings.critiques import CRITIQUE_ARGUMENT_TYPES
 from llm.settings.label import LABEL_ARGUMENT_TYPES
 from llm.settings.load import parse_arguments, parse_ppo_config, parse_search_config
 from llm.settings.reward import REWARD_ARGUMENT_TYPES
@@ -39,6 +40,8 @@ def values_of(path: str) -> dict:
             "dpo": DPO_ARGUMENT_TYPES,
             "rm": REWARD_ARGUMENT_TYPES,
             "prm": REWARD_ARGUMENT_TYPES,
+            "genprm": REWARD_ARGUMENT_TYPES,  # prm_kind generative
+            "critiques": CRITIQUE_ARGUMENT_TYPES,  # llm/run_critiques.py: the settings its critiques are made with
             "label": LABEL_ARGUMENT_TYPES,  # llm/run_label.py: the settings its labels are made with (resume check)
         }
         fingerprint = run_fingerprint(*parse_arguments([path], *[types[kind]] if kind in types else []))

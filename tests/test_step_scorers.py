@@ -11,6 +11,7 @@ import torch
 
 from llm.alignment.ppo.interfaces import Samples
 from llm.alignment.ppo.rewards import PRMReward
+from llm.alignment.rm.generative import GenerativePRM
 from llm.alignment.rm.scoring import DiscriminativePRM, OutcomeScorer
 from llm.settings.registry import STEP_SCORERS
 from llm.settings.search import PRMSection
@@ -18,7 +19,8 @@ from tests.helpers import ROOT, tokenizer
 
 PROBLEMS = ["Tom has 3 bags of 4 apples. How many apples?\n", "What is 2 + 5?\n"]
 STEPS = [["3 * 4 = 12 apples.", "The answer is 12."], ["2 + 5 = 8.", "So 8.", "The answer is 8."]]
-MODELS = {"discriminative": "llm/assets/tiny-prm", "orm": "llm/assets/tiny-llama"}
+MODELS = {"discriminative": "llm/assets/tiny-prm", "orm": "llm/assets/tiny-llama", "generative": "llm/assets/tiny-prm"}
+CRITIQUE_TOKENS = 3  # generative: the most critique tokens per step (a random model writes no verdict before)
 
 
 def settings(kind: str) -> PRMSection:
@@ -28,6 +30,7 @@ def settings(kind: str) -> PRMSection:
         tokenizer_name_or_path=f"{ROOT}/llm/assets/tiny_tokenizer",
         init_from_config=True,
         micro_batch_size=2,  # several forwards: the records must come back to their solutions
+        max_critique_tokens=CRITIQUE_TOKENS,
     )
 
 
@@ -43,6 +46,23 @@ def oracle(kind: str, scorer, problem: str, steps: list[str]) -> list[float]:
             logits = model(input_ids=torch.tensor([ids])).logits[0]
         marks = [i for i, t in enumerate(ids) if t == ph]
         return torch.softmax(logits[marks][:, [plus, minus]], -1)[:, 0].tolist()
+    if kind == "generative":
+        # for each step: its text and a newline, then greedy tokens until "+" / "-" or the cap, read there; the
+        # likelier verdict and a newline follow (whole-sequence forwards, no KV cache)
+        plus, minus = tok.convert_tokens_to_ids("+"), tok.convert_tokens_to_ids("-")
+        ids, out = list(p), []
+        for step in steps:
+            ids += tok(step + "\n", add_special_tokens=False)["input_ids"]
+            for written in range(CRITIQUE_TOKENS + 1):
+                with torch.no_grad():
+                    logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+                token = int(logits.argmax())
+                if token in (plus, minus) or written == CRITIQUE_TOKENS:
+                    break
+                ids.append(token)
+            out.append(torch.softmax(logits[[plus, minus]], -1)[0].item())
+            ids += [plus if logits[plus] >= logits[minus] else minus] + tok("\n", add_special_tokens=False)["input_ids"]
+        return out
     out = []
     for k in range(len(steps)):  # the ORM's logit of the solution cut after step k, at its last token
         ids = p + tok("\n".join(steps[: k + 1]), add_special_tokens=False)["input_ids"]
@@ -61,6 +81,7 @@ def scorer(request):
 def test_every_registered_kind_is_tested_here():
     assert sorted(STEP_SCORERS) == sorted(MODELS)
     assert STEP_SCORERS["discriminative"] is DiscriminativePRM and STEP_SCORERS["orm"] is OutcomeScorer
+    assert STEP_SCORERS["generative"] is GenerativePRM
 
 
 def test_step_scores_equal_a_plain_forward_of_the_model(scorer):

@@ -153,11 +153,23 @@ ADDED_LATER = {
     "reward.overlong_buffer_len": 0,
     "reward.overlong_penalty_factor": 1.0,
     "reward.weight": 1.0,
+    "reward.critique_samples": 1,
+    "reward.max_critique_tokens": 64,
+    "reward.critique_temperature": 0.0,
 }
 
 # The same for the flat scripts' fields (ModelArgument, DataArgument, TrainingArguments and their subclasses), by
 # field name: a new field goes here with its default, so the configs that do not set it keep their fingerprints.
-FLAT_ADDED_LATER: dict[str, Any] = {"soft_labels": False, "prm_kind": "discriminative"}
+FLAT_ADDED_LATER: dict[str, Any] = {
+    "soft_labels": False,
+    "prm_kind": "discriminative",
+    # the generative PRM's (prm_kind generative)
+    "critique_loss_weight": 1.0,
+    "verdict_loss_weight": 1.0,
+    "critique_samples": 1,
+    "max_critique_tokens": 64,
+    "critique_temperature": 0.0,
+}
 
 # Fields whose value is a (comma-separated list of) data file(s) or directories: fingerprinted by content.
 _DATA_FIELDS = {"train_dataset_path", "data.train_dataset_path", "problems_path"}

@@ -10,7 +10,7 @@ from typing import Any
 
 from llm.settings.environment import EnvironmentConfig
 from llm.settings.registry import ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
-from llm.settings.shared import LoraFields, OptimizerFields, reward_token_pair, with_default
+from llm.settings.shared import LoraFields, OptimizerFields, check_reward_url, reward_token_pair, with_default
 from llm.utils.errors import UserError
 
 
@@ -22,22 +22,6 @@ def _f(default: Any, text: str | None = None, low: float | None = None) -> Any:
     if low is not None:
         metadata["min"] = low
     return field(default=default, metadata=metadata)
-
-
-def check_reward_url(url: str) -> None:
-    """``reward.url`` must be an http:// or https:// URL with a host (never file://, ftp://, ...)."""
-    from urllib.parse import urlsplit
-
-    try:
-        parts = urlsplit(url)
-        parts.port  # noqa: B018 - raises ValueError for a bad port
-    except ValueError as err:
-        raise UserError(f"reward.url {url!r} is not a valid URL ({err})") from None
-    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
-        raise UserError(
-            f"reward.url {url!r}: only http:// and https:// URLs with a host are allowed (e.g. "
-            "http://127.0.0.1:8000/score)"
-        )
 
 
 @dataclass
@@ -246,7 +230,10 @@ class RefSection(FrozenModelSection):
 
 @dataclass
 class RewardSection(FrozenModelSection):
-    type: str = _f("rule", "a registered reward type (rewards/): orm | prm | rule | http, or one a module registers")
+    type: str = _f(
+        "rule",
+        "a registered reward type (rewards/): orm | prm | generative_prm | rule | http, or one a module registers",
+    )
     weight: float = _f(1.0, "this reward's weight in the total, sum(weight x reward) over the list of rewards (> 0)")
     name: str | None = _f(
         None, "a list of rewards: this one's name in the metrics (reward/NAME/mean); null: its type or rule"
@@ -261,6 +248,9 @@ class RewardSection(FrozenModelSection):
     placeholder_token: str = "ки"
     reward_tokens: str = "+,-"
     prm_aggregation: str = "dense"  # rewards.PRM_AGGREGATIONS: dense | min | last | mean
+    critique_samples: int = _f(1, "type generative_prm: critiques per response, their verdicts averaged", low=1)
+    max_critique_tokens: int = _f(64, "type generative_prm: the most tokens of one step's critique", low=0)
+    critique_temperature: float = _f(0.0, "type generative_prm: the critiques' temperature; 0: greedy", low=0)
     normalize_reward: bool = False
     reward_clip: float | None = _f(None, low=0)
     overlong_buffer_len: int = _f(
@@ -280,6 +270,11 @@ class RewardSection(FrozenModelSection):
         self.label_tokens = reward_token_pair(self.reward_tokens, "reward.reward_tokens")
         if self.url is not None:
             check_reward_url(self.url)
+        if self.critique_samples > 1 and self.critique_temperature == 0:
+            raise UserError(
+                "reward.critique_samples > 1 with reward.critique_temperature 0: greedy critiques are all the same; "
+                "set reward.critique_temperature > 0 or reward.critique_samples 1"
+            )
         for name, high in (("max_retries", 10), ("retry_backoff", 60.0), ("max_response_bytes", 2**30)):
             if getattr(self, name) > high:
                 raise UserError(f"reward.{name} must be at most {high:g}, got {getattr(self, name):g}")

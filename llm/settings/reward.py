@@ -10,9 +10,8 @@ from llm.settings.flat import DataArgument, ModelArgument, TrainingArguments
 from llm.settings.shared import reward_token_pair
 from llm.utils.errors import UserError
 
-
 # the PRM kinds run_reward.py trains (the field prm_kind); each is also a step scorer (STEP_SCORERS, same name)
-PRM_KINDS = ("discriminative",)
+PRM_KINDS = ("discriminative", "generative")
 
 
 @dataclass
@@ -44,7 +43,9 @@ class RewardTrainingArguments(TrainingArguments):
         default="discriminative",
         metadata={
             "help": "PRM: the kind trained and evaluated, one of PRM_KINDS: discriminative (a causal LM read at a "
-            "placeholder token after every step: softmax over the two reward tokens)."
+            "placeholder token after every step: softmax over the two reward tokens); generative (a causal LM that writes "
+            "a critique of every step, then a verdict token of reward_tokens: the step's score is p(positive verdict) "
+            "after its critique; training data with a 'critiques' list, see docs/reward-models.md)."
         },
     )
     soft_labels: bool = field(
@@ -54,6 +55,36 @@ class RewardTrainingArguments(TrainingArguments):
             "cross-entropy of p(+) = softmax([l+, l-])[0] against each step's soft label, its hard label where it "
             "has none; false: cross-entropy against the hard labels."
         },
+    )
+    critique_loss_weight: float = field(
+        default=1.0,
+        metadata={
+            "help": "Generative PRM: the loss weight of every critique token (0: train the verdicts only).",
+            "min": 0,
+        },
+    )
+    verdict_loss_weight: float = field(
+        default=1.0, metadata={"help": "Generative PRM: the loss weight of every verdict token.", "min": 0}
+    )
+    critique_samples: int = field(
+        default=1,
+        metadata={
+            "help": "Generative PRM scoring: critiques written per solution (each a pass over all its steps); a "
+            "step's score is the mean of their p(positive verdict). More than 1 needs critique_temperature > 0.",
+            "min": 1,
+        },
+    )
+    max_critique_tokens: int = field(
+        default=64,
+        metadata={
+            "help": "Generative PRM scoring: the most tokens of one step's critique; the verdict is read after it "
+            "when the model has not written one by then.",
+            "min": 0,
+        },
+    )
+    critique_temperature: float = field(
+        default=0.0,
+        metadata={"help": "Generative PRM scoring: sampling temperature of the critiques; 0: greedy.", "min": 0},
     )
     margin: float = field(default=0.0, metadata={"help": "ORM: loss -log sigmoid(s_c - s_r - margin)."})
     center_rewards_coefficient: float = field(
@@ -91,6 +122,16 @@ class RewardTrainingArguments(TrainingArguments):
             raise UserError(f"prm_kind must be one of {', '.join(PRM_KINDS)}, got {self.prm_kind!r}")
         if self.prm_kind != "discriminative" and not self.process_reward:
             raise UserError(f"prm_kind {self.prm_kind!r} is a PRM's: set process_reward true, or remove prm_kind")
+        if self.prm_kind == "generative":
+            if self.soft_labels:
+                raise UserError("soft_labels is the discriminative PRM's: a generative PRM trains on its verdicts")
+            if self.critique_samples > 1 and self.critique_temperature == 0:
+                raise UserError(
+                    f"critique_samples {self.critique_samples} with critique_temperature 0: greedy critiques are all "
+                    "the same; set critique_temperature > 0 (e.g. 0.7) or critique_samples 1"
+                )
+            if self.critique_loss_weight == 0 and self.verdict_loss_weight == 0:
+                raise UserError("critique_loss_weight and verdict_loss_weight are both 0: nothing to train")
         if self.soft_labels and not self.process_reward:
             raise UserError("soft_labels is a PRM's (step soft labels): set process_reward true, or remove it")
         if self.prm_threshold > 1:

@@ -66,7 +66,8 @@ class PRMSection:
     kind: str = _f(
         STEP_SCORERS.default,
         "the kind of reward model, a registered step scorer (llm.settings.registry STEP_SCORERS): discriminative "
-        "(a PRM trained by run_reward.py with process_reward) or orm (an ORM's score after every step)",
+        "(a PRM trained by run_reward.py with process_reward), generative (one trained with prm_kind generative: "
+        "it writes a critique of every step, then its verdict) or orm (an ORM's score after every step)",
     )
     model_name_or_path: str | None = _f(None, "the reward model (a directory); required")
     tokenizer_name_or_path: str | None = _f(None, "its tokenizer; null: model_name_or_path")
@@ -75,11 +76,19 @@ class PRMSection:
     placeholder_token: str = _f("ки", "discriminative: the step placeholder it was trained with (one token)")
     reward_tokens: str = _f("+,-", "discriminative: its label tokens 'positive,negative'")
     micro_batch_size: int = _f(8, "solutions per forward", 1)
+    critique_samples: int = _f(1, "generative: critiques per solution, their verdict probabilities averaged", 1)
+    max_critique_tokens: int = _f(64, "generative: the most tokens of one step's critique", 0)
+    critique_temperature: float = _f(0.0, "generative: sampling temperature of the critiques; 0: greedy", 0)
 
     def __post_init__(self) -> None:
         STEP_SCORERS.lookup(self.kind, "prm.kind: ")
         _one_of(self.dtype, DTYPES, "prm.dtype")
         reward_token_pair(self.reward_tokens, "prm.reward_tokens")
+        if self.critique_samples > 1 and self.critique_temperature == 0:
+            raise UserError(
+                "prm.critique_samples > 1 with prm.critique_temperature 0: greedy critiques are all the same; set "
+                "prm.critique_temperature > 0 or prm.critique_samples 1"
+            )
 
 
 @dataclass(frozen=True)

@@ -91,3 +91,19 @@ def reward_token_pair(value: str | Sequence[str], field: str = "reward_tokens") 
             f"got {value!r}"
         )
     return tokens[0], tokens[1]
+
+
+def check_reward_url(url: str) -> None:
+    """``reward.url`` must be an http:// or https:// URL with a host (never file://, ftp://, ...)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a bad port
+    except ValueError as err:
+        raise UserError(f"reward.url {url!r} is not a valid URL ({err})") from None
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        raise UserError(
+            f"reward.url {url!r}: only http:// and https:// URLs with a host are allowed (e.g. "
+            "http://127.0.0.1:8000/score)"
+        )

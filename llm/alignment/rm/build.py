@@ -12,6 +12,7 @@ from llm.alignment.lm import weights_dtype
 from llm.alignment.recipe import Recipe, build_trainer
 from llm.alignment.rm.data import build_reward_data
 from llm.alignment.rm.evaluation import AGGREGATIONS
+from llm.alignment.rm.genprm_trainer import GenPRMTrainer
 from llm.alignment.rm.orm_trainer import ORMTrainer
 from llm.alignment.rm.prm_trainer import PRMTrainer
 from llm.alignment.rm.trainer import RewardTrainer
@@ -202,7 +203,36 @@ class PRMRecipe(RewardRecipe):
         return super().data_objects(train, dev)
 
 
+class GenPRMRecipe(PRMRecipe):
+    """A causal LM trained to write a critique and a verdict after every step (``prm_kind: generative``)."""
+
+    task = "generative PRM"
+    trainer_class = GenPRMTrainer
+
+    def read_split(self, path, split, batch_size, probs=None, lazy=False, max_records=None) -> PackedData:
+        t, run = self.training_args, self.run
+        return build_reward_data(
+            path,
+            split,
+            run.tokenizer,
+            self.model_args,
+            self.data_args,
+            run.encoding,
+            True,
+            batch_size,
+            t.seed,
+            probs,
+            lazy,
+            max_records,
+            prm_kind="generative",
+        )
+
+    def model_objects(self, model, tokenizer) -> dict:
+        return {"reward_token_ids": self.reward_token_ids, "reward_tokens": self.model_args.label_tokens}
+
+
 def build_reward_trainer(run: RunContext) -> tuple[RewardTrainer, PackedData | None, PackedData | None]:
     """``run``: ``RunContext.load(model_args, data_args, training_args)`` of the reward argument types."""
-    recipe = PRMRecipe if run.training_args.process_reward else ORMRecipe
+    t = run.training_args
+    recipe = (GenPRMRecipe if t.prm_kind == "generative" else PRMRecipe) if t.process_reward else ORMRecipe
     return build_trainer(recipe(run))

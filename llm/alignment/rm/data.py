@@ -11,8 +11,17 @@ import functools
 
 from transformers import PreTrainedTokenizerBase
 
+from llm.data.encode_genprm import encode_genprm
 from llm.data.encode_reward import encode_pair_for_scores, encode_prm
-from llm.data.encoding import EncodeConfig, OverlongCounter, fit_prompt, placeholder_token_id, render_prompt, start_ids
+from llm.data.encoding import (
+    EncodeConfig,
+    OverlongCounter,
+    fit_prompt,
+    placeholder_token_id,
+    render_prompt,
+    single_token_id,
+    start_ids,
+)
 from llm.data.packing import Example, causal_example
 from llm.data.prepare import PackedData, Split, load_packed
 from llm.data.readers import PRMRecord
@@ -81,14 +90,27 @@ def build_reward_data(
     probs: str | None = None,
     lazy: bool = False,
     max_records: int | None = None,
+    prm_kind: str = "discriminative",
 ) -> PackedData:
     """Read, validate, tokenise and pack one split (``split``: "train" or "eval"; ``lazy``: a stream packed on the
-    fly; ``max_records``: the first ones only). An ORM reads its splits as ``orm_eval`` records (pairs and best-of-N
-    candidates): the dev split may hold both, and in the training split (in memory) a candidate is then refused by
-    name (``check_orm_training_records``: an ORM trains on pairs) rather than as a malformed pair; a streamed
-    training split is read as pairs."""
+        fly; ``max_records``: the first ones only). An ORM reads its splits as ``orm_eval`` records (pairs and best-of-N
+        candidates): the dev split may hold both, and in the training split (in memory) a candidate is then refused by
+        name (``check_orm_training_records``: an ORM trains on pairs) rather than as a malformed pair; a streamed
+        training split is read as pairs. A generative PRM (``prm_kind``) reads PRM records with their critiques
+    (``encode_genprm``)."""
     tokens = model_args.label_tokens
-    if process_reward:
+    if process_reward and prm_kind == "generative":  # critiques and verdicts (llm.data.encode_genprm)
+        ids = tuple(single_token_id(tokenizer, t, "reward_tokens") for t in tokens)
+        encode = functools.partial(
+            encode_genprm,
+            tokenizer=tokenizer,
+            cfg=cfg,
+            reward_ids=ids,
+            reward_tokens=tokens,
+            require_critiques=split == "train",
+        )
+        kind = "prm"
+    elif process_reward:
         placeholder_id = placeholder_token_id(tokenizer, model_args.placeholder_token, "placeholder_token")
         encode = functools.partial(
             encode_prm,

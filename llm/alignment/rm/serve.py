@@ -289,6 +289,17 @@ def build_scorer(model_args, training_args, serve_args: ServeArgument, max_token
     if not training_args.process_reward:
         orm = ORMReward(model, tokenizer, tokenizer, serve_args.micro_batch_size)
         return RewardScorer(orm, tokenizer, "orm", path, max_tokens)
+    if training_args.prm_kind == "generative":  # a critique, then a verdict, per step (llm.alignment.rm.generative)
+        from llm.alignment.ppo.rewards.generative import GenerativePRMReward
+        from llm.alignment.rm.generative import CritiqueSettings, GenerativePRM
+
+        t = training_args
+        settings = CritiqueSettings(t.critique_samples, t.max_critique_tokens, t.critique_temperature, t.seed)
+        judge = GenerativePRM(model, tokenizer, ids, settings)
+        prm = GenerativePRMReward(
+            model, tokenizer, tokenizer, serve_args.step_separator, judge, serve_args.prm_aggregation
+        )
+        return RewardScorer(prm, tokenizer, "prm", path, max_tokens)
     placeholder = model_args.placeholder_token
     prm = PRMReward(
         model,

@@ -18,6 +18,8 @@ Schema (``kind``)
     Soft labels (PaddleNLP and TRL layouts): an optional ``soft_labels`` list, one number in [0, 1] or
     null per step (``llm/run_label.py`` writes the fraction of completions reaching the answer), which
     a PRM trained with ``soft_labels: true`` takes as its targets.
+    Critiques (PaddleNLP and TRL layouts): an optional ``critiques`` list, one string per step (what a
+    generative PRM writes before the step's verdict; ``llm/run_critiques.py`` makes them).
     Best-of-N candidates: any PRM layout with ``answer`` (the final answer) and ``correct`` (a boolean)
     is one candidate of its problem's group (``group`` when given, else its question: the prompt, or
     ProcessBench's ``problem``); such a record may leave out ``labels`` (its steps are then unlabelled).
@@ -173,11 +175,29 @@ def parse_prm(rec: dict, where: RecordPlace, tokens: tuple[str, str], placeholde
     steps = solution_steps(rec[steps_field], steps_field, where, placeholder)
     labels = [None] * len(steps) if unlabelled else _labels(rec["labels"], where, tokens, len(steps), steps_field)
     soft = _soft_labels(rec["soft_labels"], where, len(steps), steps_field) if is_present(rec, "soft_labels") else None
+    critiques = _critiques(rec["critiques"], where, len(steps), steps_field) if is_present(rec, "critiques") else None
     if not prompt:  # PaddleNLP's Math-Shepherd conversion (src: [""]): the question starts the first step
         _need_group(candidate, where, "'src' is empty: the question starts the first of 'responses'")
     elif candidate["correct"] is not None and candidate["group"] is None:
         candidate["group"] = json.dumps([m["content"] for m in prompt])
-    return PRMRecord(prompt, steps, labels, where.path, where.index, soft_labels=soft, **candidate)
+    return PRMRecord(prompt, steps, labels, where.path, where.index, soft_labels=soft, critiques=critiques, **candidate)
+
+
+def _critiques(value: Any, where: RecordPlace, n_steps: int, steps_field: str) -> list[str]:
+    """``critiques``: one string per step, the text a generative PRM writes before the step's verdict."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(c, str) for c in value):
+        where.fail(
+            "critiques",
+            f"must be a list of strings, one per step, got {type_name(value)}",
+            "give one critique per step",
+        )
+    if len(value) != n_steps:
+        where.fail(
+            "critiques",
+            f"has {len(value)} critique(s) but '{steps_field}' has {n_steps} step(s)",
+            "give exactly one critique per step (make them with llm/run_critiques.py)",
+        )
+    return list(value)
 
 
 def _soft_labels(value: Any, where: RecordPlace, n_steps: int, steps_field: str) -> list[float | None]:

@@ -54,6 +54,7 @@ FIELDS = {
         "answer",
         "correct",
         "group",
+        "critiques",
     ),
     "pair": ("src", "tgt", "system", "response", "sort", "prompt", "chosen", "rejected"),
     "prompt": ("src", "tgt", "system", "prompt", "reference", "answer"),
@@ -82,6 +83,8 @@ class PRMRecord:
     correct: bool | None = None  # best-of-N: whether that answer is right
     # Monte Carlo step values in [0, 1] (llm/run_label.py's soft labels), None where a step has none; or None
     soft_labels: list[float | None] | None = None
+    # a generative PRM's training text: one critique per step (llm/run_critiques.py writes them), or None
+    critiques: list[str] | None = None
 
 
 @dataclass

@@ -5,6 +5,7 @@ config check and the builder both read:
 - ``http`` (http.py): a scoring server;
 - ``orm`` / ``prm`` (model.py): a trained outcome / process reward model;
 - several of them, weighted and summed (combined.py: ``reward`` as a list).
+- ``generative_prm`` (generative.py): a generative PRM (a critique, then a verdict, per step).
 
 Adding a type: a ``RewardFunction`` subclass with ``from_config`` and ``score``, decorated with
 ``@register_reward("name", needs=..., has_model=...)``, in a module imported here.
@@ -18,6 +19,7 @@ from llm.alignment.ppo.rewards.base import (
     register_reward,
 )
 from llm.alignment.ppo.rewards.combined import WeightedRewards, build_rewards
+from llm.alignment.ppo.rewards.generative import GenerativePRMReward
 from llm.alignment.ppo.rewards.http import HttpReward
 from llm.alignment.ppo.rewards.model import (
     ORMReward,
@@ -29,12 +31,13 @@ from llm.alignment.ppo.rewards.model import (
     split_steps,
 )
 from llm.alignment.ppo.rewards.rule import RuleReward
-from llm.settings.ppo import check_reward_url
 from llm.settings.registry import PRM_AGGREGATIONS, model_types, reward_type
+from llm.settings.shared import check_reward_url
 
 __all__ = [
     "PRM_AGGREGATIONS",
     "REWARDS",
+    "GenerativePRMReward",
     "HttpReward",
     "ORMReward",
     "PRMReward",

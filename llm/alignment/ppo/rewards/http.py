@@ -16,7 +16,7 @@ import torch
 
 from llm.alignment.ppo.interfaces import RewardOutput, RoleFailure, Samples
 from llm.alignment.ppo.rewards.base import RewardFunction, check_score, register_reward
-from llm.settings.ppo import check_reward_url
+from llm.settings.shared import check_reward_url
 
 if TYPE_CHECKING:
     from llm.alignment.ppo.context import PPOContext
