@@ -298,3 +298,33 @@ def test_ranks_given_different_settings_stop_naming_them(tmp_path):
     )
     assert proc.returncode != 0
     assert "different settings: max_steps (rank 0: '2', rank 1: '6')" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_tied_weights_save_and_load_in_the_sharded_state(tmp_path):
+    """SmolLM2 ties its input embedding to its LM head: the checkpoint's sharded state (safetensors, which refuses
+    shared memory: every SmolLM2 checkpoint failed) holds both names, the optimizer's state too, and a load restores
+    the tied parameter in another model and optimizer."""
+    from llm.utils.distributed import load_sharded_state, save_sharded_state, unalias
+    from tests.helpers import tiny_model
+
+    model = tiny_model(tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    optimizer.step()
+    save_sharded_state(str(tmp_path / "state"), model, optimizer)
+    other = tiny_model(tie_word_embeddings=True, seed=1)
+    other_optimizer = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    other(torch.tensor([[1, 2]]), labels=torch.tensor([[1, 2]])).loss.backward()
+    other_optimizer.step()
+    assert not torch.equal(other.lm_head.weight, model.lm_head.weight)
+    load_sharded_state(str(tmp_path / "state"), other, None)
+    load_sharded_state(str(tmp_path / "state"), other, other_optimizer)
+    assert other.lm_head.weight is other.model.embed_tokens.weight  # still one parameter
+    for a, b in zip(model.state_dict().values(), other.state_dict().values()):
+        assert torch.equal(a, b)
+    for a, b in zip(optimizer.state.values(), other_optimizer.state.values()):
+        assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq"))
+    shared = torch.zeros(4)
+    tensors = {"a": shared, "b": shared, "c": torch.ones(2), "d": shared[:2]}
+    assert unalias(tensors) == 2 and tensors["b"] is not shared and torch.equal(tensors["b"], shared)

@@ -273,6 +273,25 @@ def _options(model: torch.nn.Module) -> StateDictOptions:
 SHARDED_INDEX = "state.json"  # the non-tensor parts (param_groups, ...) and where each tensor goes
 
 
+def unalias(tensors: dict[str, torch.Tensor]) -> int:
+    """Copy every tensor of ``tensors`` whose memory an earlier one already holds (tied weights: SmolLM2's and
+    Llama-3.2's input embedding is their LM head): safetensors refuses to write shared memory. Loading needs no
+    counterpart: both names are written, and load into the same tied parameter. Returns how many were copied."""
+    seen: set[int] = set()
+    copied = 0
+    for name, tensor in tensors.items():
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: its shard's memory
+        if local.numel() == 0:
+            continue
+        ptr = local.untyped_storage().data_ptr()
+        if ptr in seen:
+            tensors[name] = tensor.clone()
+            copied += 1
+        else:
+            seen.add(ptr)
+    return copied
+
+
 def save_sharded_state(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Write model and optimizer state to ``directory`` (all ranks call it): torch.distributed.checkpoint with
     its Hugging Face safetensors storage, every rank writing its own shards (``shard-0000R-...safetensors``,
@@ -288,6 +307,7 @@ def save_sharded_state(directory: str, model: torch.nn.Module, optimizer: torch.
         state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=options)
     tensors: dict[str, torch.Tensor] = {}
     tree = encode_tree(state, tensors)
+    unalias(tensors)
     os.makedirs(directory, exist_ok=True)
     writer = HuggingFaceStorageWriter(directory, save_distributed=True)
     with _single_process_is_intended():
