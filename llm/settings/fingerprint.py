@@ -151,11 +151,18 @@ ADDED_LATER = {
     "algorithm.max_num_gen_batches": 10,
     "reward.overlong_buffer_len": 0,
     "reward.overlong_penalty_factor": 1.0,
+    "reward.implicit_granularity": "token",
 }
 
 # The same for the flat scripts' fields (ModelArgument, DataArgument, TrainingArguments and their subclasses), by
 # field name: a new field goes here with its default, so the configs that do not set it keep their fingerprints.
-FLAT_ADDED_LATER: dict[str, Any] = {"soft_labels": False, "prm_kind": "discriminative"}
+FLAT_ADDED_LATER: dict[str, Any] = {
+    "soft_labels": False,
+    "prm_kind": "discriminative",
+    "implicit_beta": 0.05,  # prm_kind implicit's fields (refused with another kind unless at these values)
+    "implicit_loss": "ce",
+    "implicit_reference": None,
+}
 
 # Fields whose value is a (comma-separated list of) data file(s) or directories: fingerprinted by content.
 _DATA_FIELDS = {"train_dataset_path", "data.train_dataset_path", "problems_path"}

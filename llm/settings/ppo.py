@@ -246,7 +246,9 @@ class RefSection(FrozenModelSection):
 
 @dataclass
 class RewardSection(FrozenModelSection):
-    type: str = _f("rule", "a registered reward type (rewards/): orm | prm | rule | http, or one a module registers")
+    type: str = _f(
+        "rule", "a registered reward type (rewards/): orm | prm | implicit_prm | rule | http, or one a module registers"
+    )
     rule: str = "llm.alignment.ppo.rewards.rule_functions:math_exact_match"
     url: str | None = _f(None, "type http: the scoring server, an http:// or https:// URL (redirects are not followed)")
     timeout: float = _f(30.0, "seconds one HTTP reward request may take in all (connect, send, whole answer)", low=0)
@@ -257,6 +259,11 @@ class RewardSection(FrozenModelSection):
     placeholder_token: str = "ки"
     reward_tokens: str = "+,-"
     prm_aggregation: str = "dense"  # rewards.PRM_AGGREGATIONS: dense | min | last | mean
+    implicit_granularity: str = _f(
+        "token",
+        "type implicit_prm with prm_aggregation dense: token (beta * log(pi / pi_ref) at every response token, "
+        "PRIME's dense reward) or step (beta * the sum over a step's tokens, at the step's last token)",
+    )
     normalize_reward: bool = False
     reward_clip: float | None = _f(None, low=0)
     overlong_buffer_len: int = _f(

@@ -57,6 +57,12 @@ def validate_ppo_config(c: PPOConfig, path: str) -> None:
     if c.reward.prm_aggregation not in PRM_AGGREGATIONS:
         *most, last = PRM_AGGREGATIONS
         raise UserError(f"{path}: reward.prm_aggregation must be {', '.join(most)} or {last}")
+    if c.reward.implicit_granularity not in ("token", "step"):
+        raise UserError(
+            f"{path}: reward.implicit_granularity must be token or step, got {c.reward.implicit_granularity!r}"
+        )
+    if c.reward.implicit_granularity != "token" and c.reward.type != "implicit_prm":
+        raise UserError(f"{path}: reward.implicit_granularity is reward.type implicit_prm's: remove it")
     for need in kind.needs:
         if not getattr(c.reward, need):
             raise UserError(f"{path}: reward.type={c.reward.type!r} needs reward.{need}")

@@ -3,7 +3,8 @@ config check and the builder both read:
 
 - ``rule`` (rule.py): a Python function ``module:function(prompt, response, reference)``;
 - ``http`` (http.py): a scoring server;
-- ``orm`` / ``prm`` (model.py): a trained outcome / process reward model.
+- ``orm`` / ``prm`` (model.py): a trained outcome / process reward model;
+- ``implicit_prm`` (implicit.py): a trained implicit PRM, dense per-token or per-step rewards.
 
 Adding a type: a ``RewardFunction`` subclass with ``from_config`` and ``score``, decorated with
 ``@register_reward("name", needs=..., has_model=...)``, in a module imported here.
@@ -17,6 +18,7 @@ from llm.alignment.ppo.rewards.base import (
     register_reward,
 )
 from llm.alignment.ppo.rewards.http import HttpReward
+from llm.alignment.ppo.rewards.implicit import ImplicitPRMReward
 from llm.alignment.ppo.rewards.model import (
     ORMReward,
     PRMReward,
@@ -34,6 +36,7 @@ __all__ = [
     "PRM_AGGREGATIONS",
     "REWARDS",
     "HttpReward",
+    "ImplicitPRMReward",
     "ORMReward",
     "PRMReward",
     "RewardFunction",

@@ -1,0 +1,7 @@
+"""Every built-in step scorer, registered on import: the module the registry ``STEP_SCORERS`` loads
+(``llm.settings.registry``). ``scoring.py`` holds the interface and the discriminative and ORM kinds; a kind in a
+module of its own is imported here."""
+
+from llm.alignment.rm import implicit, scoring
+
+__all__ = ["implicit", "scoring"]
