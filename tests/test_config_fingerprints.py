@@ -39,6 +39,7 @@ def values_of(path: str) -> dict:
             "dpo": DPO_ARGUMENT_TYPES,
             "rm": REWARD_ARGUMENT_TYPES,
             "prm": REWARD_ARGUMENT_TYPES,
+            "implicit": REWARD_ARGUMENT_TYPES,  # implicit_prm_argument.json: an implicit PRM (run_reward.py)
             "label": LABEL_ARGUMENT_TYPES,  # llm/run_label.py: the settings its labels are made with (resume check)
         }
         fingerprint = run_fingerprint(*parse_arguments([path], *[types[kind]] if kind in types else []))

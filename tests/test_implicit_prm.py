@@ -327,3 +327,25 @@ def test_a_model_without_implicit_prm_json_or_with_a_bad_one_is_refused(tmp_path
         (tmp_path / "m" / IMPLICIT_FILE).write_text(json.dumps(data))
         with pytest.raises(UserError, match=f"field '{field}'"):
             read_implicit_prm(str(tmp_path / "m"), "prm.model_name_or_path")
+
+
+@pytest.mark.real_model
+def test_the_smollm2_config_trains_an_implicit_prm_on_the_real_model(tmp_path):
+    """llm/config/smollm2/implicit_prm_argument.json made small: two steps, a dev set of 4 ProcessBench records;
+    the reference saved once is SmolLM2 itself, the policy moved away from it."""
+    from safetensors.torch import load_file
+
+    from llm.run_reward import main
+    from tests.real_model import converted_dir, flat_config, largest_change
+
+    model_dir = converted_dir()
+    config = flat_config(tmp_path, "implicit_prm_argument.json", model_dir, max_steps=2, max_eval_samples=4,
+                         learning_rate=1e-4, per_device_train_batch_size=2)  # fmt: skip
+    main([config])
+    out = tmp_path / "out"
+    results = read_json(out / "all_results.json")
+    assert math.isfinite(results["train_loss"]) and math.isfinite(results["eval_loss"])
+    assert "eval_processbench_f1" in results
+    base = load_file(os.path.join(model_dir, "model.safetensors"))
+    assert largest_change(load_file(str(out / REFERENCE_DIR / "model.safetensors")), base) == 0
+    assert largest_change(load_file(str(out / "model.safetensors")), base) > 0

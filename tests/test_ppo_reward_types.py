@@ -77,7 +77,7 @@ def test_a_registered_toy_reward_type_runs_through_build_and_a_run(tmp_path, toy
     s = Samples([[1, 5]] * n, [[9]] * n, ["q"] * n, ["ab", "", "abcd"], [None] * n, torch.ones(n, dtype=bool))
     assert reward.score(s).scores.tolist() == [1.0, 0.0, 2.0]
     # It has no model: the model settings of a reward are refused, naming the types that have one.
-    with pytest.raises(UserError, match=r"reward.dtype applies to a reward model \(type orm or prm\)"):
+    with pytest.raises(UserError, match=r"reward.dtype applies to a reward model \(type implicit_prm or orm or prm\)"):
         parse_ppo_config([config(tmp_path, reward={"type": "toy_length", "dtype": "bfloat16"})])
     # A whole run with it (the critic starts from the actor: the toy has no value head).
     out, ToyLength.calls = tmp_path / "out", []
