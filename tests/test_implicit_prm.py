@@ -349,3 +349,24 @@ def test_the_smollm2_config_trains_an_implicit_prm_on_the_real_model(tmp_path):
     base = load_file(os.path.join(model_dir, "model.safetensors"))
     assert largest_change(load_file(str(out / REFERENCE_DIR / "model.safetensors")), base) == 0
     assert largest_change(load_file(str(out / "model.safetensors")), base) > 0
+
+
+def test_a_resumed_run_gets_the_same_reference_and_model(tmp_path):
+    """4 steps at once, and 2 steps then a resume from checkpoint-2 into another directory: the same reference
+    (the initial model, not the checkpoint's weights) and, since every loss reads it, the same final model."""
+    from safetensors.torch import load_file
+
+    from llm.run_reward import main
+
+    small = ["--max_steps", "4", "--save_steps", "2", "--save_total_limit", "3", "--do_eval", "false"]
+    main([TINY_CONFIG, "--output_dir", str(tmp_path / "whole"), *small])
+    checkpoint = tmp_path / "whole" / "checkpoint-2"
+    assert not (checkpoint / REFERENCE_DIR).exists()
+    main([TINY_CONFIG, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", str(checkpoint), *small])
+    for name in (f"{REFERENCE_DIR}/model.safetensors", "model.safetensors"):
+        whole, resumed = load_file(str(tmp_path / "whole" / name)), load_file(str(tmp_path / "resumed" / name))
+        assert all(torch.allclose(whole[k], resumed[k], atol=1e-6) for k in whole), name
+    assert any(
+        not torch.equal(v, load_file(str(checkpoint / "model.safetensors"))[k])
+        for k, v in load_file(str(tmp_path / "resumed" / REFERENCE_DIR / "model.safetensors")).items()
+    )  # the reference is not the checkpoint's policy
