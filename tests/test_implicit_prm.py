@@ -293,6 +293,26 @@ def test_eval_only_run_the_step_scorer_and_the_server_read_the_trained_model(tra
     assert answer["scores"] == pytest.approx([min(s) for s in answer["step_scores"]])
 
 
+def test_a_ppo_run_with_reward_type_implicit_prm(trained, tmp_path):
+    """GRPO-style PPO with the trained implicit PRM's per-step dense rewards, built from the config (from_config):
+    its beta and reference from implicit_prm.json, one step run; a bad granularity stops at start-up."""
+    from llm.alignment.ppo.build import PPOContext, build_role
+    from llm.run_ppo import main as ppo_main
+    from llm.settings.load import parse_ppo_config
+    from tests.test_ppo_run import config, history
+
+    reward = {"type": "implicit_prm", "model_name_or_path": str(trained), "implicit_granularity": "step"}
+    c = parse_ppo_config([config(tmp_path, reward=reward)])
+    built = build_role(c, "reward", run=PPOContext.load(c))
+    assert isinstance(built, ImplicitPRMReward) and built.granularity == "step"
+    assert built.scorer.beta == read_json(trained / IMPLICIT_FILE)["beta"]
+    assert not any(p.requires_grad for p in built.scorer.reference.parameters())
+    ppo_main([config(tmp_path, reward=reward, training={"max_steps": 1})])
+    assert len(history(tmp_path / "out")) == 1 and math.isfinite(history(tmp_path / "out")[0]["score"])
+    with pytest.raises(UserError, match="reward.implicit_granularity must be token or step"):
+        parse_ppo_config([config(tmp_path, reward={**reward, "implicit_granularity": "word"})])
+
+
 # --- bad input
 
 
@@ -303,6 +323,8 @@ def test_eval_only_run_the_step_scorer_and_the_server_read_the_trained_model(tra
         (["--implicit_beta", "0.0"], "implicit_beta"),
         (["--prm_kind", "discriminative", "--implicit_loss", "dpo"], "implicit_loss"),
         (["--prm_kind", "implicit", "--process_reward", "false"], "process_reward"),
+        (["--prm_kind", "discriminative", "--implicit_reference", "llm/assets/tiny-llama"], "implicit_reference"),
+        (["--lora", "true"], "lora"),
     ],
 )
 def test_bad_settings_stop_with_one_message_and_exit_2(override, named, tmp_path, capsys):
@@ -358,7 +380,11 @@ def test_a_resumed_run_gets_the_same_reference_and_model(tmp_path):
 
     from llm.run_reward import main
 
+    train = tmp_path / "train.jsonl"
+    with open(os.path.join(SAMPLE, "prm_train.jsonl"), encoding="utf-8") as f:
+        train.write_text("".join(line for _, line in zip(range(32), f)))
     small = ["--max_steps", "4", "--save_steps", "2", "--save_total_limit", "3", "--do_eval", "false"]
+    small += ["--train_dataset_path", str(train)]
     main([TINY_CONFIG, "--output_dir", str(tmp_path / "whole"), *small])
     checkpoint = tmp_path / "whole" / "checkpoint-2"
     assert not (checkpoint / REFERENCE_DIR).exists()
