@@ -3,6 +3,7 @@
 
 import math
 import os
+import signal
 import socket
 import time
 
@@ -123,3 +124,21 @@ def pid() -> int:
 def always_one(prompt, response, reference):
     """A rule reward that pays 1 whatever the answer."""
     return 1.0
+
+
+class SignalOnce(Echo):
+    """Echo whose ``at``-th step call in this process sends SIGTERM to the process itself, mid-episode, once per
+    ``marker`` file (created then): a run resumed with the same config is not signalled again."""
+
+    calls = 0  # step calls in this process, over every episode
+
+    def __init__(self, marker: str, at: int, turns: int = 2):
+        super().__init__(turns)
+        self.marker, self.at = marker, at
+
+    def step(self, action):
+        SignalOnce.calls += 1
+        if SignalOnce.calls == self.at and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().step(action)

@@ -3,15 +3,19 @@ actor's update trains on are exactly the ids its generation returned plus the re
 
 import dataclasses
 import os
+import signal
 
 import pytest
 import torch
 
+from llm.alignment.ppo.agent.episode import merge_episode_metrics
 from llm.alignment.ppo.agent.source import MultiTurn
 from llm.alignment.ppo.build import PPOContext, build_ppo, load_prompts, placed_roles
+from llm.alignment.ppo.rollout import Generator
 from llm.alignment.ppo.samples_log import sample_rows
 from llm.settings.load import parse_ppo_config
 from tests.helpers import ROOT, ppo_config_file
+from tests.test_ppo_run import history
 
 TINY = os.path.join(ROOT, "llm", "config", "tiny", "ppo_argument.json")
 TURN = 2  # model tokens a turn keeps before its EOS (a random tiny model rarely samples EOS by itself)
@@ -114,3 +118,91 @@ def test_on_error_zero_and_drop_in_the_batch(tmp_path):
     d = drop.scored
     assert len(d.samples) == 2 and all(e["errors"] == [] for e in d.samples.episodes)
     assert drop.metrics["episode/dropped"] == 2.0
+
+
+def test_merge_episode_metrics_by_hand():
+    a = {"episode/turns": 2.0, "episode/env_reward": 1.0, "episode/env_errors": 1.0, "episode/dropped": 0.0,
+         "episode/episodes": 4.0, "episode/cut_max_turns": 1.0}  # fmt: skip
+    b = {"episode/turns": 5.0, "episode/env_reward": 0.0, "episode/env_errors": 0.0, "episode/dropped": 2.0,
+         "episode/episodes": 2.0, "episode/cut_max_turns": 2.0}  # fmt: skip
+    got = merge_episode_metrics([a, {"time/rollout": 1.0}, b])
+    assert got["episode/turns"] == pytest.approx((2 * 4 + 5 * 2) / 6)  # means weighted by episodes
+    assert got["episode/env_reward"] == pytest.approx(4 / 6)
+    assert got["episode/env_errors"] == 1.0 and got["episode/dropped"] == 2.0  # counts summed
+    assert got["episode/episodes"] == 6.0 and got["episode/cut_max_turns"] == 3.0 and "time/rollout" not in got
+    assert merge_episode_metrics([{"time/rollout": 1.0}]) == {}
+
+
+def test_dynamic_sampling_keeps_the_episode_metrics_of_every_round(tmp_path):
+    """DAPO around a multi-turn source: the step's episode/... metrics cover every generation round's episodes."""
+    path = ppo_config_file(
+        tmp_path,
+        TINY,
+        "grpo",
+        {
+            "actor_rollout": {"max_response_length": 4, "num_samples_per_step": 2, "ppo_mini_batch_size": 4},
+            "algorithm": {"adv_estimator": "grpo", "use_kl_in_reward": False, "filter_groups": True},
+            "reward": {"rule": "tests.test_ppo_dapo:half_constant"},
+            "data": {"rollout_batch_size": 2, "use_chat_template": None},
+            "environment": {"name_or_path": "tests.agent_envs:Echo", "kwargs": {"turns": 2}, "max_episode_tokens": 256},
+        },
+    )
+    c = parse_ppo_config([path])
+    run = PPOContext.load(c)
+    with placed_roles(c, run) as roles:
+        trainer = build_ppo(c, load_prompts(c, run), roles, run)
+        eos = trainer.tokenizer.eos_token_id
+        trainer.generator.generate = lambda prompt_ids, **s: [[5 + i % 3, eos] for i in range(len(prompt_ids))]
+        m = trainer.train_step()
+    assert m["dapo/gen_rounds"] > 1 and m["episode/episodes"] == 4 * m["dapo/gen_rounds"]  # 2 prompts x 2 each
+    assert m["episode/turns"] == 2.0 and m["episode/env_reward"] == pytest.approx(0.3)
+    assert m["time/rollout_generation"] > 0  # the inner source's own phases are summed over the rounds too
+
+
+def test_sigterm_mid_episode_saves_after_the_step_and_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch, capfd):
+    """The environment itself sends SIGTERM in the middle of step 2's episodes (its 5th step call: each step is
+    2 prompts x 2 episodes x 2 turns, every turn cut to TURN tokens + EOS). The step's episodes finish, the step is
+    saved, the run ends; the resumed run (environment state is not checkpointed: each step's episodes start from
+    their seeds) ends with the log history of a run never interrupted."""
+    from llm.run_ppo import main
+
+    real_generate = Generator.generate
+
+    def short_turns(self, prompt_ids, **settings):
+        out = real_generate(self, prompt_ids, **settings)
+        eos = self.actor.tokenizer.eos_token_id
+        return [(r[: r.index(eos)] if eos in r else list(r))[:TURN] + [eos] for r in out]
+
+    monkeypatch.setattr(Generator, "generate", short_turns)
+    marker = tmp_path / "signalled"
+    layer = {
+        "training": {"max_steps": 4, "save_steps": 0, "save_total_limit": None},
+        "actor_rollout": {"max_response_length": 16, "num_samples_per_step": 2, "ppo_mini_batch_size": 4},
+        "algorithm": {"adv_estimator": "grpo", "use_kl_in_reward": False},
+        "data": {"rollout_batch_size": 2, "use_chat_template": None},
+        "environment": {
+            "name_or_path": "tests.agent_envs:SignalOnce",
+            "kwargs": {"marker": str(marker), "at": 10, "turns": 2},
+            "max_episode_tokens": 256,
+        },
+    }
+    interrupted, full = tmp_path / "interrupted", tmp_path / "full"
+    main([ppo_config_file(tmp_path, TINY, "grpo", layer, {"training": {"output_dir": str(interrupted)}})])
+    assert marker.exists()
+    checkpoints = sorted(interrupted.glob("checkpoint-*"))
+    assert [c.name for c in checkpoints] == ["checkpoint-2"]  # signalled during step 2 (calls 9-16)
+    assert f"stopped by signal {int(signal.SIGTERM)} after step 2: saved {checkpoints[0]}" in capfd.readouterr().err
+    assert not (interrupted / "log_history.json").exists()  # not a finished run
+    resume = {"training": {"output_dir": str(interrupted), "resume_from_checkpoint": "auto"}}
+    main([ppo_config_file(tmp_path, TINY, "grpo", layer, resume)])
+    main([ppo_config_file(tmp_path, TINY, "grpo", layer, {"training": {"output_dir": str(full)}})])
+
+    def untimed(log):
+        return [{k: v for k, v in h.items() if not k.startswith("time/") and "seconds" not in k} for h in log]
+
+    resumed, reference = untimed(history(interrupted)), untimed(history(full))
+    assert [h["step"] for h in resumed] == [1, 2, 3, 4] and len(reference) == 4
+    for a, b in zip(resumed, reference):
+        assert a.keys() == b.keys() and a["episode/turns"] == 2.0
+        for key in a:
+            assert a[key] == pytest.approx(b[key], abs=1e-5), (a["step"], key)

@@ -296,3 +296,48 @@ def test_a_rank_failing_because_its_peer_died_reports_the_death(monkeypatch):
     outcomes["rank1"] = broken
     with pytest.raises(ray.exceptions.RayTaskError):
         ray_roles.wait(FakeRay, ["rank0", "rank1"], "actor_rollout", "2 ranks", "log_probs()", 60, "call_timeout")
+
+
+def test_episodes_on_ray_equal_episodes_in_one_process(ray_cluster, tmp_path, monkeypatch):
+    """Multi-turn episodes with the roles and a rollout copy in Ray actors: the environment runs in the driver,
+    where the rollout source is; greedy turns (each cut to 2 tokens + EOS: a random tiny model rarely ends a turn)
+    give the same episodes and numbers as one process, step 2 sampled by the copy after the weight sync."""
+    from llm.alignment.ppo.rollout import Generator
+
+    real_generate, eos = Generator.generate, tokenizer().eos_token_id
+
+    def short_turns(self, prompt_ids, **settings):
+        out = real_generate(self, prompt_ids, **settings)
+        return [(r[: r.index(eos)] if eos in r else list(r))[:2] + [eos] for r in out]
+
+    monkeypatch.setattr(Generator, "generate", short_turns)
+    path = config(
+        tmp_path,
+        actor_rollout={"do_sample": False, "num_samples_per_step": 1, "max_response_length": 16},
+        data={"use_chat_template": None},
+        environment={"name_or_path": "tests.agent_envs:Echo", "kwargs": {"turns": 2}, "max_episode_tokens": 256},
+    )
+
+    def run(*overrides):
+        c = parse_ppo_config([path, *overrides])
+        run = PPOContext.load(c)
+        with placed_roles(c, run) as roles:
+            trainer = build_ppo(c, load_prompts(c, run), roles, run)
+            return [trainer.train_step() for _ in range(2)], trainer.last_experience.scored.samples.response_ids
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each Ray worker: the same reduction order
+    try:
+        local, local_ids = run()
+    finally:
+        torch.set_num_threads(threads)
+    flags = ["--resource_pool.use_ray", "true", "--resource_pool.weight_sync_timeout", "60"]
+    for role in ("actor_rollout", "ref", "critic", "reward", "rollout"):
+        flags += [f"--resource_pool.{role}", "0.4"]
+    remote, remote_ids = run(*flags)
+    assert remote_ids == local_ids
+    for a, b in zip(local, remote):
+        assert a["episode/turns"] == b["episode/turns"] == 2.0 and b["env_reward"] == pytest.approx(0.3)
+        for key in ("score", "kl", "policy_loss", "value_loss", "response_length", "entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+    assert local[1]["kl"] != 0  # the policy moved: step 2's equality says the copy took the update

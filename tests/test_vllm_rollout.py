@@ -211,6 +211,37 @@ def test_greedy_ppo_with_vllm_equals_ppo_with_hf_generate(tmp_path):
 
 
 @needs_vllm
+def test_greedy_episodes_with_vllm_equal_episodes_with_hf_generate(tmp_path, monkeypatch):
+    """Multi-turn episodes (a scripted environment, two turns, each turn cut to 2 tokens + EOS as a random tiny
+    model rarely ends a turn itself) generate through the engine: greedy, the same episodes and the same numbers
+    as with HF generate, step by step, the engine following each update."""
+    from llm.alignment.ppo.rollout import Generator
+
+    real_generate = Generator.generate
+
+    def short_turns(self, prompt_ids, **settings):
+        eos = self.actor.tokenizer.eos_token_id
+        return [
+            (r[: r.index(eos)] if eos in r else list(r))[:2] + [eos]
+            for r in real_generate(self, prompt_ids, **settings)
+        ]
+
+    monkeypatch.setattr(Generator, "generate", short_turns)
+    sections = {
+        "data": {"use_chat_template": None},  # PPO with GAE over the model's tokens (greedy GRPO groups are equal)
+        "environment": {"name_or_path": "tests.agent_envs:Echo", "kwargs": {"turns": 2}, "max_episode_tokens": 256},
+    }
+    greedy = {"do_sample": False, "num_samples_per_step": 1, "max_response_length": 16}
+    hf = run_steps(config(tmp_path, actor_rollout=greedy, **sections), 2)
+    ours = run_steps(config(tmp_path, actor_rollout={**greedy, "rollout_engine": "vllm"}, **sections), 2)
+    for a, b in zip(hf, ours):
+        assert a["episode/turns"] == b["episode/turns"] == 2.0 and b["env_reward"] == pytest.approx(0.3)
+        for key in ("score", "kl", "policy_loss", "value_loss", "response_length", "entropy"):
+            assert b[key] == pytest.approx(a[key], abs=1e-5), key
+    assert hf[1]["kl"] != 0  # the policy moved: step 2's equality says the engine took the update
+
+
+@needs_vllm
 def test_sampled_ppo_run_with_vllm_end_to_end_and_resume(tmp_path):
     """run_ppo.py with the engine: sampled rollouts, rollout log-probs from vLLM, a checkpoint, and a resume
     that syncs the checkpoint's weights into a new engine (same numbers as the uninterrupted run)."""

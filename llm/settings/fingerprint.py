@@ -132,6 +132,7 @@ _PPO_EXCLUDED = {
     "reward.micro_batch_size",
     "reward.offload",
     "reward.timeout",
+    "reward.name",  # a metric's name
     "resource_pool.*",
 }
 
@@ -152,6 +153,7 @@ ADDED_LATER = {
     "reward.overlong_buffer_len": 0,
     "reward.overlong_penalty_factor": 1.0,
     "reward.implicit_granularity": "token",
+    "reward.weight": 1.0,
 }
 
 # The same for the flat scripts' fields (ModelArgument, DataArgument, TrainingArguments and their subclasses), by
@@ -256,18 +258,22 @@ def _ppo_values(config: Any) -> dict[str, Any]:
     for f in dataclasses.fields(config):
         section = getattr(config, f.name)
         if not dataclasses.is_dataclass(section) or f"{f.name}.*" in _PPO_EXCLUDED:
-            continue  # source, notes
+            continue  # source, notes, extra_rewards
         _section_values(f.name, section, values)
+    # ``reward`` as a list (llm.settings.reward_list): the first entry is ``reward``, the others ``reward[i]``
+    for i, section in enumerate(getattr(config, "extra_rewards", ()), 1):
+        _section_values(f"reward[{i}]", section, values, "reward")
     return dict(sorted(values.items()))
 
 
-def _section_values(prefix: str, section: Any, values: dict[str, Any]) -> None:
+def _section_values(prefix: str, section: Any, values: dict[str, Any], kind: str | None = None) -> None:
+    """``kind``: the section whose exclusions apply (``reward`` for ``reward[i]``), else ``prefix``."""
     for f in dataclasses.fields(section):
-        key = f"{prefix}.{f.name}"
-        if not f.init or key in _PPO_EXCLUDED:
+        key, rule = f"{prefix}.{f.name}", f"{kind or prefix}.{f.name}"
+        if not f.init or rule in _PPO_EXCLUDED:
             continue  # not init: derived from the fields (reward.label_tokens)
         value = getattr(section, f.name)
-        if _added_later(ADDED_LATER, key, value):
+        if _added_later(ADDED_LATER, rule, value):
             continue
         if dataclasses.is_dataclass(value):
             _section_values(key, value, values)

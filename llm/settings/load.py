@@ -24,6 +24,7 @@ from llm.settings.files import JSON_EXTENSIONS, LAUNCH_SCRIPT_EXTENSIONS, YAML_E
 from llm.settings.flat import ARGUMENT_TYPES, INPUT_PATHS, TRAINING_BOUNDS, TrainingArguments
 from llm.settings.ppo import OPTIONAL_SECTIONS, ROLES, SECTIONS, PPOConfig
 from llm.settings.ppo_validation import validate_ppo_config
+from llm.settings.reward_list import build_reward_list
 from llm.settings.search import SEARCH_SECTIONS, SearchConfig, validate_search_config
 from llm.utils.errors import UserError, closest
 from llm.utils.logging import log_config_notes
@@ -110,8 +111,21 @@ def parse_ppo_config(argv: list[str]) -> PPOConfig:
         for name in values if isinstance(values, Mapping) else ():
             if (key, name) in MOVED:
                 raise UserError(f"{path}: {key}.{name}: {MOVED[key, name]}")
-    raw = merge(raw, parse_overrides(argv[1:], PPO_SCHEMA))
+    overrides = parse_overrides(argv[1:], PPO_SCHEMA)
+    reward_list = raw.get("reward") if isinstance(raw.get("reward"), list) else None
+    if reward_list is not None and "reward" in overrides:
+        raise UserError(
+            f"command line: --reward.{next(iter(overrides['reward']), 'FIELD')}: {path} gives reward as a list, and "
+            "an override cannot say which entry it sets: edit the entry in the file"
+        )
+    raw = merge(raw, overrides)
+    extra_rewards: tuple = ()
+    if reward_list is not None:  # several weighted rewards (llm.settings.reward_list): the first is ``reward``
+        first, *rest = build_reward_list(reward_list, path)
+        raw, extra_rewards = {**raw, "reward": {}}, tuple(rest)
     sections = {name: fields.build(cls, raw.get(name, {}), path, section=name) for name, cls in SECTIONS.items()}
+    if reward_list is not None:
+        sections["reward"] = first
     sections.update(
         {
             name: fields.build(cls, raw[name], path, section=name)
@@ -119,7 +133,7 @@ def parse_ppo_config(argv: list[str]) -> PPOConfig:
             if name in raw
         }
     )
-    config = PPOConfig(**sections, source=path, notes=notes)
+    config = PPOConfig(**sections, extra_rewards=extra_rewards, source=path, notes=notes)
     resolve_input_paths(config, path)
     validate_ppo_config(config, path)
     log_config_notes(config.notes, path)
@@ -140,8 +154,9 @@ def resolve_input_paths(c: PPOConfig, path: str) -> None:
     """Relative input paths of the file (``llm.utils.paths``): both ``python llm/run_ppo.py ...`` from the
     repository root and ``cd llm && python run_ppo.py config/...`` find them. Outputs stay relative to the
     working directory; the reward rule is a module name, not a path."""
-    for role in ROLES:
-        section = getattr(c, role)
+    roles = [(role, getattr(c, role)) for role in ROLES if role != "reward"]
+    roles += [(f"reward[{i}]" if c.extra_rewards else "reward", r) for i, r in enumerate(c.rewards)]
+    for role, section in roles:
         for name in ("model_name_or_path", "tokenizer_name_or_path"):
             if getattr(section, name):
                 setattr(section, name, _input_path(getattr(section, name), f"{role}.{name}", path))

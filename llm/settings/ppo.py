@@ -249,6 +249,10 @@ class RewardSection(FrozenModelSection):
     type: str = _f(
         "rule", "a registered reward type (rewards/): orm | prm | implicit_prm | rule | http, or one a module registers"
     )
+    weight: float = _f(1.0, "this reward's weight in the total, sum(weight x reward) over the list of rewards (> 0)")
+    name: str | None = _f(
+        None, "a list of rewards: this one's name in the metrics (reward/NAME/mean); null: its type or rule"
+    )
     rule: str = "llm.alignment.ppo.rewards.rule_functions:math_exact_match"
     url: str | None = _f(None, "type http: the scoring server, an http:// or https:// URL (redirects are not followed)")
     timeout: float = _f(30.0, "seconds one HTTP reward request may take in all (connect, send, whole answer)", low=0)
@@ -430,8 +434,15 @@ class PPOConfig:
     data: DataSection
     resource_pool: ResourcePool
     environment: EnvironmentConfig | None = None  # multi-turn episodes (llm.settings.environment); None: single-turn
+    # ``reward`` given as a list: its entries after the first (``reward`` is the first); llm.settings.reward_list
+    extra_rewards: tuple[RewardSection, ...] = ()
     source: str = ""  # the config file, for messages
     notes: list[str] = field(default_factory=list)  # lines for the log: what a MindSpeed name became, ...
+
+    @property
+    def rewards(self) -> tuple[RewardSection, ...]:
+        """Every reward section: the one ``reward``, or the entries of a list (weighted and summed)."""
+        return (self.reward, *self.extra_rewards)
 
     @property
     def clip_low(self) -> float:

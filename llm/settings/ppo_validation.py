@@ -21,11 +21,9 @@ from llm.settings.registry import (
     KL_CONTROLLERS,
     LOSS_AGG_MODES,
     POLICY_LOSSES,
-    PRM_AGGREGATIONS,
     kl_kinds,
-    model_types,
-    reward_type,
 )
+from llm.settings.reward_list import labels, validate_rewards
 from llm.utils.errors import UserError, closest
 from llm.utils.lora import check_lora_fields
 
@@ -53,19 +51,7 @@ def validate_ppo_config(c: PPOConfig, path: str) -> None:
             f"advantage's loss at clip_ratio_c x |A|, above the clipped surrogate's 1 - clip_ratio_low), got "
             f"{a.clip_ratio_c:g}"
         )
-    kind = reward_type(c.reward.type, f"{path}: ")  # the registry (rewards/): an unknown type lists the valid ones
-    if c.reward.prm_aggregation not in PRM_AGGREGATIONS:
-        *most, last = PRM_AGGREGATIONS
-        raise UserError(f"{path}: reward.prm_aggregation must be {', '.join(most)} or {last}")
-    if c.reward.implicit_granularity not in ("token", "step"):
-        raise UserError(
-            f"{path}: reward.implicit_granularity must be token or step, got {c.reward.implicit_granularity!r}"
-        )
-    if c.reward.implicit_granularity != "token" and c.reward.type != "implicit_prm":
-        raise UserError(f"{path}: reward.implicit_granularity is reward.type implicit_prm's: remove it")
-    for need in kind.needs:
-        if not getattr(c.reward, need):
-            raise UserError(f"{path}: reward.type={c.reward.type!r} needs reward.{need}")
+    validate_rewards(c, path)  # each reward section (one, or a list: llm.settings.reward_list)
     if not a.model_name_or_path:
         raise UserError(f"{path}: actor_rollout.model_name_or_path is required (the SFT model)")
     if not c.data.train_dataset_path:
@@ -79,7 +65,6 @@ def validate_ppo_config(c: PPOConfig, path: str) -> None:
     for name, value, low, high in (
         ("actor_rollout.temperature", a.temperature, 0, None),
         ("actor_rollout.top_p", a.top_p, 0, 1),
-        ("reward.timeout", c.reward.timeout, 0, None),
         ("algorithm.kl_ctrl.target_kl", alg.kl_ctrl.target_kl, 0, None),
         ("algorithm.kl_ctrl.horizon", alg.kl_ctrl.horizon, 0, None),
     ):
@@ -174,20 +159,12 @@ FROZEN_DTYPES = ("float32", "bfloat16")
 
 
 def validate_memory(c: PPOConfig, path: str) -> None:
-    """The memory savers: the frozen roles' dtypes, and no model settings on a reward without a model."""
-    for role in ("ref", "reward"):
-        section = getattr(c, role)
+    """The memory savers: the frozen roles' dtypes (no model settings on a reward without a model: reward_list.py)."""
+    for role, section in (("ref", c.ref), *zip(labels(c), c.rewards)):
         if section.dtype is not None and section.dtype not in FROZEN_DTYPES:
             raise UserError(
                 f"{path}: {role}.dtype must be float32, bfloat16 or null (as the trained models), got {section.dtype!r}"
             )
-    if not reward_type(c.reward.type, f"{path}: ").has_model:
-        for name, value, default in (("dtype", c.reward.dtype, None), ("offload", c.reward.offload, False)):
-            if value != default:
-                raise UserError(
-                    f"{path}: reward.{name} applies to a reward model (type {' or '.join(model_types())}); "
-                    f"reward.type is {c.reward.type!r}, which has none"
-                )
 
 
 def validate_resource_pool(pool: ResourcePool, path: str) -> None:

@@ -24,7 +24,7 @@ from llm.alignment.ppo.context import PPOContext
 from llm.alignment.ppo.loading import Place, load, offload_idle, optimizer_for
 from llm.alignment.ppo.lora import ActorBase, with_lora
 from llm.alignment.ppo.prompts import Prompt, prompts_from_records
-from llm.alignment.ppo.rewards import ORMReward, RewardFunction, reward_type, same_vocabulary
+from llm.alignment.ppo.rewards import ORMReward, RewardFunction, build_rewards, reward_type, same_vocabulary
 from llm.alignment.ppo.roles import ActorRole, CriticRole, PolicyModel
 from llm.alignment.ppo.trainer import PPOTrainer
 from llm.alignment.ppo.update import PolicyUpdate, ValueUpdate
@@ -50,8 +50,9 @@ __all__ = [
 
 
 def build_reward(c: PPOConfig, place: Place, run: PPOContext) -> RewardFunction:
-    """The registered reward type ``reward.type`` (rewards/), built by its ``from_config``."""
-    return reward_type(c.reward.type).build(c, place, run)
+    """The registered reward type ``reward.type`` (rewards/), built by its ``from_config``; a list of rewards:
+    each built so, weighted and summed (rewards/combined.py)."""
+    return build_rewards(c, place, run)
 
 
 def policy_update(c: PPOConfig) -> PolicyUpdate:
@@ -273,7 +274,7 @@ def build_ppo(c: PPOConfig, prompts: list[Prompt], roles: dict, run: PPOContext)
         len(prompts),
         ", ".join(roles),
         "Ray actors" if c.resource_pool.use_ray else "in this process",
-        c.reward.type,
+        " + ".join(f"{r.weight:g} x {r.type}" if c.extra_rewards else r.type for r in c.rewards),
         c.algorithm.adv_estimator,
     )
     trainer = PPOTrainer(

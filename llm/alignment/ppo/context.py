@@ -10,6 +10,7 @@ else the build). The config stays as validated: nothing derived is written back 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -29,20 +30,37 @@ class PPOContext:
     tokenizer: PreTrainedTokenizerBase  # the actor's: the prompts' and responses' ids, and every role reading them
     reward_tokenizer: PreTrainedTokenizerBase | None  # the reward model's (None: a reward type without a model)
     use_chat_template: bool  # data.use_chat_template as the prompts are rendered (unset: the actor tokenizer decides)
+    # ``reward`` as a list: each entry's tokenizer, as ``reward_tokenizer`` (the first entry's); () for one reward
+    reward_tokenizers: tuple[PreTrainedTokenizerBase | None, ...] = ()
 
     @classmethod
     def load(cls, c: PPOConfig) -> PPOContext:
-        """The run's tokenizers, each loaded once, and what they decide (the chat-template choice is logged)."""
-        a, r = c.actor_rollout, c.reward
+        """The run's tokenizers, each loaded once (a path two roles name: one object), and what they decide (the
+        chat-template choice is logged)."""
+        a = c.actor_rollout
         actor_path = a.tokenizer_name_or_path or a.model_name_or_path
         tokenizer = load_tokenizer(actor_path)
-        reward_tokenizer = None
-        if reward_type(r.type).has_model:
+        loaded: dict[str, PreTrainedTokenizerBase] = {}
+        reward_tokenizers = []
+        for r in c.rewards:
+            if not reward_type(r.type).has_model:
+                reward_tokenizers.append(None)
+                continue
             path = r.tokenizer_name_or_path or r.model_name_or_path
-            same = _same_path(path, actor_path)
-            reward_tokenizer = tokenizer if same else load_tokenizer(path)
+            if _same_path(path, actor_path):
+                reward_tokenizers.append(tokenizer)
+                continue
+            key = os.path.realpath(path) if os.path.exists(path) else path
+            reward_tokenizers.append(loaded[key] if key in loaded else loaded.setdefault(key, load_tokenizer(path)))
         use_chat_template = resolve_chat_template(c.data.use_chat_template, tokenizer, "data.use_chat_template")
-        return cls(c, tokenizer, reward_tokenizer, use_chat_template)
+        extra = tuple(reward_tokenizers) if c.extra_rewards else ()
+        return cls(c, tokenizer, reward_tokenizers[0], use_chat_template, extra)
+
+    def for_reward(self, i: int, config: PPOConfig) -> PPOContext:
+        """The context a list's reward ``i`` is built with: ``config`` holding that entry as ``reward``, and its
+        tokenizer as ``reward_tokenizer``."""
+        tokenizer = (self.reward_tokenizers or (self.reward_tokenizer,))[i]
+        return dataclasses.replace(self, config=config, reward_tokenizer=tokenizer, reward_tokenizers=())
 
     @functools.cached_property
     def fingerprint(self) -> Fingerprint:

@@ -54,6 +54,7 @@ import logging
 
 import torch
 
+from llm.alignment.ppo.agent.episode import merge_episode_metrics
 from llm.alignment.ppo.interfaces import Samples, Scored
 from llm.alignment.ppo.prompts import PromptStream
 from llm.alignment.ppo.rollout import ROUND_SEED_STRIDE, RolloutBatch, RolloutSource
@@ -107,12 +108,16 @@ def select_scored(parts: list[tuple[Scored, list[int]]]) -> Scored:
     def field(name: str):
         return _cat([None if getattr(s, name) is None else getattr(s, name)[idx] for s, idx in parts], width)
 
+    components = None  # several rewards: each one's (B,), of the kept samples
+    if all(s.components is not None for s, _ in parts):
+        components = {name: torch.cat([s.components[name][idx] for s, idx in parts]) for name in parts[0][0].components}
     return Scored(
         merged,
         *(field(name) for name in ("mask", "logprobs", "ref_logprobs", "values", "kl", "scores", "raw_scores")),
         field("dense"),
         field("is_weights"),
         field("env_rewards"),
+        components,
     )
 
 
@@ -200,10 +205,13 @@ class DynamicSampling:
         kept = dropped = 0
         rounds = 1
         seconds = {"time/rollout": 0.0, "time/score": 0.0}
+        rounds_metrics = []  # each round's own metrics (a multi-turn source's episode/...), merged below
         while True:
             batch = self.inner.collect(step, rounds - 1)
-            for key in seconds:
-                seconds[key] += batch.metrics.get(key, 0.0)
+            rounds_metrics.append(batch.metrics)
+            for key, value in batch.metrics.items():  # every round's seconds (the inner source's phases too)
+                if key.startswith("time/"):
+                    seconds[key] = seconds.get(key, 0.0) + value
             scored = batch.scored
             groups = informative_groups(outcomes(scored), n)
             dropped += len(scored.samples) // n - len(groups)
@@ -222,6 +230,7 @@ class DynamicSampling:
             "dapo/groups_surplus": float(kept - use),
             "dapo/update_skipped": float(use == 0),
             **seconds,
+            **merge_episode_metrics(rounds_metrics),
         }
         if kept < size:
             logger.warning(

@@ -155,6 +155,8 @@ class UpdateStats:
 class RewardOutput:
     scores: torch.Tensor  # (B,) outcome score added at the last response token
     dense: torch.Tensor | None = None  # (B, T) extra per-token rewards (PRM steps), or None
+    # several rewards (rewards/combined.py): each one's (B,) reward, unweighted (its outcome score + its dense sum)
+    components: dict[str, torch.Tensor] | None = None
 
 
 # --- the role interfaces (structural: a role class or its Ray proxy) ------------------------------------
@@ -216,6 +218,7 @@ class Scored:
     is_weights: torch.Tensor | None = None  # (B, T) truncated importance weights (rollout_is_cap)
     # (B, T) the environment's rewards of multi-turn samples (algorithm.turn_reward_tokens), else None
     env_rewards: torch.Tensor | None = None
+    components: dict[str, torch.Tensor] | None = None  # several rewards: each one's (B,) (RewardOutput.components)
 
 
 @dataclass

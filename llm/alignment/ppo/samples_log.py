@@ -34,6 +34,8 @@ def sample_rows(exp: Experience, step: int, limit: int) -> list[dict]:
         }
         if s.dense is not None:
             row["step_reward"] = s.dense[i].sum().item()
+        if s.components is not None:  # several rewards: each one's, unweighted (score is their weighted sum)
+            row["rewards"] = {name: values[i].item() for name, values in s.components.items()}
         if s.env_rewards is not None:  # a multi-turn episode: its environment rewards, and the episode itself
             row["env_reward"] = (s.env_rewards[i] * s.mask[i]).sum().item()
         if samples.episodes is not None:

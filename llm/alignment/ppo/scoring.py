@@ -81,7 +81,10 @@ class Scoring:
         if samples.turn_rewards is not None:  # multi-turn: per turn (GAE) or one discounted outcome
             per_turn, gamma = ADV_ESTIMATORS[alg.adv_estimator].per_turn, self.environment_gamma
             env = environment_rewards(samples.turn_ends, samples.turn_rewards, mask, per_turn, gamma)
-        return Scored(samples, mask, logprobs, ref_logprobs, values, kl * mask, scores, raw, out.dense, env_rewards=env)
+        return Scored(
+            samples, mask, logprobs, ref_logprobs, values, kl * mask, scores, raw, out.dense, env_rewards=env,
+            components=out.components,
+        )  # fmt: skip
 
     @property
     def environment_gamma(self) -> float:

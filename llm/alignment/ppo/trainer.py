@@ -239,6 +239,8 @@ class PPOTrainer:
             metrics["step_reward"] = scored.dense.sum(1).mean().item()
         if scored.env_rewards is not None:
             metrics["env_reward"] = (scored.env_rewards * mask).sum(1).mean().item()
+        for name, values in (scored.components or {}).items():  # several rewards: each one's, unweighted
+            metrics[f"reward/{name}/mean"] = values.mean().item()
         self.step += 1
         self.last_experience = exp
         return metrics

@@ -98,6 +98,8 @@ class MultiTurn:
         batch = scored_batch(ctx, samples, logprobs, metrics=metrics)
         if zeroed:
             batch.scored.scores[zeroed] = 0.0
+            if batch.scored.dense is not None:  # a dense (PRM) reward's steps too: the episode's reward is 0
+                batch.scored.dense[zeroed] = 0.0
         return batch
 
     def after_update(self, step: int) -> None:

@@ -5,6 +5,7 @@ config check and the builder both read:
 - ``http`` (http.py): a scoring server;
 - ``orm`` / ``prm`` (model.py): a trained outcome / process reward model;
 - ``implicit_prm`` (implicit.py): a trained implicit PRM, dense per-token or per-step rewards.
+- several of them, weighted and summed (combined.py: ``reward`` as a list).
 
 Adding a type: a ``RewardFunction`` subclass with ``from_config`` and ``score``, decorated with
 ``@register_reward("name", needs=..., has_model=...)``, in a module imported here.
@@ -17,6 +18,7 @@ from llm.alignment.ppo.rewards.base import (
     check_score,
     register_reward,
 )
+from llm.alignment.ppo.rewards.combined import WeightedRewards, build_rewards
 from llm.alignment.ppo.rewards.http import HttpReward
 from llm.alignment.ppo.rewards.implicit import ImplicitPRMReward
 from llm.alignment.ppo.rewards.model import (
@@ -42,6 +44,8 @@ __all__ = [
     "RewardFunction",
     "RewardType",
     "RuleReward",
+    "WeightedRewards",
+    "build_rewards",
     "char_to_token_end",
     "check_reward_url",
     "check_score",
