@@ -246,9 +246,7 @@ class RefSection(FrozenModelSection):
 
 @dataclass
 class RewardSection(FrozenModelSection):
-    type: str = _f(
-        "rule", "a registered reward type (rewards/): orm | prm | implicit_prm | rule | http, or one a module registers"
-    )
+    type: str = _f("rule", "a registered reward type (rewards/): orm | prm | implicit_prm | rule | http | yours")
     weight: float = _f(1.0, "this reward's weight in the total, sum(weight x reward) over the list of rewards (> 0)")
     name: str | None = _f(
         None, "a list of rewards: this one's name in the metrics (reward/NAME/mean); null: its type or rule"
@@ -264,9 +262,7 @@ class RewardSection(FrozenModelSection):
     reward_tokens: str = "+,-"
     prm_aggregation: str = "dense"  # rewards.PRM_AGGREGATIONS: dense | min | last | mean
     implicit_granularity: str = _f(
-        "token",
-        "type implicit_prm with prm_aggregation dense: token (beta * log(pi / pi_ref) at every response token, "
-        "PRIME's dense reward) or step (beta * the sum over a step's tokens, at the step's last token)",
+        "token", "implicit_prm, dense: token (beta * log(pi/pi_ref) per token) | step (per step)"
     )
     normalize_reward: bool = False
     reward_clip: float | None = _f(None, low=0)
