@@ -14,9 +14,9 @@ import os
 
 import pytest
 
+from llm.settings.critiques import CRITIQUE_ARGUMENT_TYPES
 from llm.settings.dpo import DPO_ARGUMENT_TYPES
 from llm.settings.fingerprint import FINGERPRINT_VERSION, run_fingerprint
-from llm.settings.critiques import CRITIQUE_ARGUMENT_TYPES
 from llm.settings.label import LABEL_ARGUMENT_TYPES
 from llm.settings.load import parse_arguments, parse_ppo_config, parse_search_config
 from llm.settings.reward import REWARD_ARGUMENT_TYPES
@@ -42,6 +42,7 @@ def values_of(path: str) -> dict:
             "prm": REWARD_ARGUMENT_TYPES,
             "genprm": REWARD_ARGUMENT_TYPES,  # prm_kind generative
             "critiques": CRITIQUE_ARGUMENT_TYPES,  # llm/run_critiques.py: the settings its critiques are made with
+            "implicit": REWARD_ARGUMENT_TYPES,  # implicit_prm_argument.json: an implicit PRM (run_reward.py)
             "label": LABEL_ARGUMENT_TYPES,  # llm/run_label.py: the settings its labels are made with (resume check)
         }
         fingerprint = run_fingerprint(*parse_arguments([path], *[types[kind]] if kind in types else []))

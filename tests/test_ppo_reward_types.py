@@ -78,7 +78,7 @@ def test_a_registered_toy_reward_type_runs_through_build_and_a_run(tmp_path, toy
     assert reward.score(s).scores.tolist() == [1.0, 0.0, 2.0]
     # It has no model: the model settings of a reward are refused, naming the types that have one.
     with pytest.raises(
-        UserError, match=r"reward.dtype applies to a reward model \(type generative_prm or orm or prm\)"
+        UserError, match=r"reward.dtype applies to a reward model \(type generative_prm or implicit_prm or orm or prm\)"
     ):
         parse_ppo_config([config(tmp_path, reward={"type": "toy_length", "dtype": "bfloat16"})])
     # A whole run with it (the critic starts from the actor: the toy has no value head).

@@ -155,7 +155,10 @@ def test_accuracy_against_n_is_each_methods_share_of_right_answers(tmp_path, cap
             "search.budgets: 2 is smaller than search.beam_width 4",
         ),
         (["--search.budgets", "[6]", "--search.beam_width", "4"], "use 4 or 8"),
-        (["--prm.kind", "implicit"], "prm.kind must be one of discriminative, orm, generative, got 'implicit'"),
+        (
+            ["--prm.kind", "no_such_kind"],
+            "prm.kind must be one of discriminative, orm, generative, implicit, got 'no_such_kind'",
+        ),
         (["--search.methods", '["beam"]'], "each of search.methods must be one of beam_search, dvts, best_of_n"),
         (["--policy.model_name_or_path", "null"], "policy.model_name_or_path is required"),
         (["--search.answer", "no_such_module:f"], "search.answer 'no_such_module:f': cannot import"),

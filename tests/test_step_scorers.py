@@ -4,6 +4,7 @@ config gives, and PPO's PRM reward reading its step scores through it."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from llm.alignment.ppo.interfaces import Samples
 from llm.alignment.ppo.rewards import PRMReward
 from llm.alignment.rm.generative import GenerativePRM
+from llm.alignment.rm.implicit import ImplicitPRM
 from llm.alignment.rm.scoring import DiscriminativePRM, OutcomeScorer
 from llm.settings.registry import STEP_SCORERS
 from llm.settings.search import PRMSection
@@ -19,16 +21,36 @@ from tests.helpers import ROOT, tokenizer
 
 PROBLEMS = ["Tom has 3 bags of 4 apples. How many apples?\n", "What is 2 + 5?\n"]
 STEPS = [["3 * 4 = 12 apples.", "The answer is 12."], ["2 + 5 = 8.", "So 8.", "The answer is 8."]]
-MODELS = {"discriminative": "llm/assets/tiny-prm", "orm": "llm/assets/tiny-llama", "generative": "llm/assets/tiny-prm"}
+MODELS = {
+    "discriminative": "llm/assets/tiny-prm",
+    "orm": "llm/assets/tiny-llama",
+    "generative": "llm/assets/tiny-prm",
+    "implicit": "llm/assets/tiny-llama",
+}
 CRITIQUE_TOKENS = 3  # generative: the most critique tokens per step (a random model writes no verdict before)
+IMPLICIT_BETA = 0.5
 
 
-def settings(kind: str) -> PRMSection:
+def implicit_prm_dir(root) -> str:
+    """A saved implicit PRM: the tiny model of seed 1, its reference of seed 2, implicit_prm.json."""
+    from transformers import AutoModelForCausalLM
+
+    from llm.alignment.rm.implicit import IMPLICIT_FILE
+    from llm.utils.modeling import load_model
+
+    for seed, where in ((1, root), (2, root / "reference")):
+        model = load_model(AutoModelForCausalLM, f"{ROOT}/{MODELS['implicit']}", init_from_config=True, seed=seed)
+        model.save_pretrained(where)
+    (root / IMPLICIT_FILE).write_text(json.dumps({"beta": IMPLICIT_BETA, "reference": "reference"}))
+    return str(root)
+
+
+def settings(kind: str, root=None) -> PRMSection:
     return PRMSection(
         kind=kind,
-        model_name_or_path=f"{ROOT}/{MODELS[kind]}",
+        model_name_or_path=implicit_prm_dir(root) if kind == "implicit" else f"{ROOT}/{MODELS[kind]}",
         tokenizer_name_or_path=f"{ROOT}/llm/assets/tiny_tokenizer",
-        init_from_config=True,
+        init_from_config=kind != "implicit",
         micro_batch_size=2,  # several forwards: the records must come back to their solutions
         max_critique_tokens=CRITIQUE_TOKENS,
     )
@@ -63,6 +85,18 @@ def oracle(kind: str, scorer, problem: str, steps: list[str]) -> list[float]:
             out.append(torch.softmax(logits[[plus, minus]], -1)[0].item())
             ids += [plus if logits[plus] >= logits[minus] else minus] + tok("\n", add_special_tokens=False)["input_ids"]
         return out
+    if kind == "implicit":  # sigmoid of beta x the log-ratio to the reference summed up to each step's end
+        ends, ids = [], list(p)
+        for step in steps:  # each step followed by a newline, tokenised on its own
+            ids += tok(step + "\n", add_special_tokens=False)["input_ids"]
+            ends.append(len(ids))
+        with torch.no_grad():
+            ratio = [
+                torch.log_softmax(m(input_ids=torch.tensor([ids])).logits[0].double(), -1)
+                for m in (scorer.model, scorer.reference)
+            ]
+        token = [float(ratio[0][t - 1, ids[t]] - ratio[1][t - 1, ids[t]]) for t in range(len(ids))]
+        return [1 / (1 + math.exp(-IMPLICIT_BETA * sum(token[len(p) : e]))) for e in ends]
     out = []
     for k in range(len(steps)):  # the ORM's logit of the solution cut after step k, at its last token
         ids = p + tok("\n".join(steps[: k + 1]), add_special_tokens=False)["input_ids"]
@@ -73,8 +107,8 @@ def oracle(kind: str, scorer, problem: str, steps: list[str]) -> list[float]:
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
-def scorer(request):
-    built = STEP_SCORERS[request.param].from_settings(settings(request.param), seed=3)
+def scorer(request, tmp_path_factory):
+    built = STEP_SCORERS[request.param].from_settings(settings(request.param, tmp_path_factory.mktemp("m")), seed=3)
     return request.param, built
 
 
@@ -82,6 +116,7 @@ def test_every_registered_kind_is_tested_here():
     assert sorted(STEP_SCORERS) == sorted(MODELS)
     assert STEP_SCORERS["discriminative"] is DiscriminativePRM and STEP_SCORERS["orm"] is OutcomeScorer
     assert STEP_SCORERS["generative"] is GenerativePRM
+    assert STEP_SCORERS["implicit"] is ImplicitPRM
 
 
 def test_step_scores_equal_a_plain_forward_of_the_model(scorer):

@@ -152,6 +152,7 @@ ADDED_LATER = {
     "algorithm.max_num_gen_batches": 10,
     "reward.overlong_buffer_len": 0,
     "reward.overlong_penalty_factor": 1.0,
+    "reward.implicit_granularity": "token",
     "reward.weight": 1.0,
     "reward.critique_samples": 1,
     "reward.max_critique_tokens": 64,
@@ -169,6 +170,9 @@ FLAT_ADDED_LATER: dict[str, Any] = {
     "critique_samples": 1,
     "max_critique_tokens": 64,
     "critique_temperature": 0.0,
+    "implicit_beta": 0.05,  # prm_kind implicit's fields (refused with another kind unless at these values)
+    "implicit_loss": "ce",
+    "implicit_reference": None,
 }
 
 # Fields whose value is a (comma-separated list of) data file(s) or directories: fingerprinted by content.

@@ -231,8 +231,7 @@ class RefSection(FrozenModelSection):
 @dataclass
 class RewardSection(FrozenModelSection):
     type: str = _f(
-        "rule",
-        "a registered reward type (rewards/): orm | prm | generative_prm | rule | http, or one a module registers",
+        "rule", "a registered reward type (rewards/): orm | prm | generative_prm | implicit_prm | rule | http"
     )
     weight: float = _f(1.0, "this reward's weight in the total, sum(weight x reward) over the list of rewards (> 0)")
     name: str | None = _f(
@@ -251,6 +250,9 @@ class RewardSection(FrozenModelSection):
     critique_samples: int = _f(1, "type generative_prm: critiques per response, their verdicts averaged", low=1)
     max_critique_tokens: int = _f(64, "type generative_prm: the most tokens of one step's critique", low=0)
     critique_temperature: float = _f(0.0, "type generative_prm: the critiques' temperature; 0: greedy", low=0)
+    implicit_granularity: str = _f(
+        "token", "implicit_prm, dense: token (beta * log(pi/pi_ref) per token) | step (per step)"
+    )
     normalize_reward: bool = False
     reward_clip: float | None = _f(None, low=0)
     overlong_buffer_len: int = _f(

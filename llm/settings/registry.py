@@ -114,7 +114,7 @@ TOOL_CALL_FORMATS = Registry(
     "environment.tool_call_format", "llm.alignment.ppo.agent.parsers"
 )  # name -> ToolCallFormat
 # name -> StepScorer class (``from_settings``)
-# (llm.alignment.rm.scorers imports every module that registers one: scoring.py, generative.py)
+# (llm.alignment.rm.scorers imports every module that registers one: scoring.py, generative.py, implicit.py)
 STEP_SCORERS = Registry("prm.kind", "llm.alignment.rm.scorers", default="discriminative")
 
 # algorithm.kl_penalty also takes "full": the exact KL over the vocabulary (not a per-token estimator)

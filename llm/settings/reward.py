@@ -11,7 +11,8 @@ from llm.settings.shared import reward_token_pair
 from llm.utils.errors import UserError
 
 # the PRM kinds run_reward.py trains (the field prm_kind); each is also a step scorer (STEP_SCORERS, same name)
-PRM_KINDS = ("discriminative", "generative")
+PRM_KINDS = ("discriminative", "generative", "implicit")
+IMPLICIT_LOSSES = ("ce", "dpo")  # prm_kind implicit: the outcome loss (implicit_loss)
 
 
 @dataclass
@@ -19,6 +20,15 @@ class RewardModelArgument(ModelArgument):
     placeholder_token: str = field(default="ки", metadata={"help": "PRM step placeholder token (one token)."})
     reward_tokens: str = field(
         default="+,-", metadata={"help": "PRM label tokens 'positive,negative'; each must be one token."}
+    )
+    implicit_reference: str | None = field(
+        default=None,
+        metadata={
+            "help": "prm_kind implicit: the frozen reference model pi_ref of r(y) = implicit_beta * log(pi(y) / "
+            "pi_ref(y)). Default: a frozen copy of the initial model (model_name_or_path), or, in an "
+            "evaluation-only run of a trained implicit PRM, the reference its output directory names "
+            "(implicit_prm.json)."
+        },
     )
     add_placeholder_token: bool = field(
         default=False,
@@ -45,7 +55,20 @@ class RewardTrainingArguments(TrainingArguments):
             "help": "PRM: the kind trained and evaluated, one of PRM_KINDS: discriminative (a causal LM read at a "
             "placeholder token after every step: softmax over the two reward tokens); generative (a causal LM that writes "
             "a critique of every step, then a verdict token of reward_tokens: the step's score is p(positive verdict) "
-            "after its critique; training data with a 'critiques' list, see docs/reward-models.md)."
+            "after its critique; training data with a 'critiques' list); implicit (a causal LM "
+            "trained from outcome labels, r(y) = implicit_beta * log(pi(y) / pi_ref(y)); a step's process reward "
+            "is implicit_beta times the sum of its tokens' log-ratios). See docs/reward-models.md."
+        },
+    )
+    implicit_beta: float = field(
+        default=0.05,
+        metadata={"help": "prm_kind implicit: beta of the implicit reward r(y) = beta * log(pi(y) / pi_ref(y))."},
+    )
+    implicit_loss: str = field(
+        default="ce",
+        metadata={
+            "help": "prm_kind implicit: ce (PRM records with a 0/1 outcome: binary cross-entropy of sigmoid(r(y))) "
+            "or dpo (preference pairs, correct over wrong: -log sigmoid(r(y_c) - r(y_r)))."
         },
     )
     soft_labels: bool = field(
@@ -132,6 +155,22 @@ class RewardTrainingArguments(TrainingArguments):
                 )
             if self.critique_loss_weight == 0 and self.verdict_loss_weight == 0:
                 raise UserError("critique_loss_weight and verdict_loss_weight are both 0: nothing to train")
+        elif self.prm_kind == "implicit":
+            if self.implicit_loss not in IMPLICIT_LOSSES:
+                raise UserError(
+                    f"implicit_loss must be one of {', '.join(IMPLICIT_LOSSES)}, got {self.implicit_loss!r}"
+                )
+            if not self.implicit_beta > 0:
+                raise UserError(f"implicit_beta must be > 0, got {self.implicit_beta}")
+            if self.soft_labels:
+                raise UserError(
+                    "soft_labels is the discriminative PRM's (step targets): prm_kind implicit trains "
+                    "from outcomes; remove soft_labels"
+                )
+        if self.prm_kind != "implicit" and (self.implicit_loss != "ce" or self.implicit_beta != 0.05):
+            raise UserError(
+                "implicit_loss / implicit_beta are prm_kind implicit's: set prm_kind implicit, or remove them"
+            )
         if self.soft_labels and not self.process_reward:
             raise UserError("soft_labels is a PRM's (step soft labels): set process_reward true, or remove it")
         if self.prm_threshold > 1:

@@ -61,6 +61,10 @@ def check_reward_section(r: RewardSection, label: str, path: str) -> None:
     for need in kind.needs:
         if not getattr(r, need):
             raise UserError(f"{path}: {label}.type={r.type!r} needs {label}.{need}")
+    if r.implicit_granularity not in ("token", "step"):
+        raise UserError(f"{path}: {label}.implicit_granularity must be token or step, got {r.implicit_granularity!r}")
+    if r.implicit_granularity != "token" and r.type != "implicit_prm":
+        raise UserError(f"{path}: {label}.implicit_granularity is reward.type implicit_prm's: remove it")
     if r.timeout <= 0:
         raise UserError(f"{path}: {label}.timeout must be > 0, got {r.timeout}")
     if not kind.has_model:

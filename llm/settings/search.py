@@ -67,7 +67,8 @@ class PRMSection:
         STEP_SCORERS.default,
         "the kind of reward model, a registered step scorer (llm.settings.registry STEP_SCORERS): discriminative "
         "(a PRM trained by run_reward.py with process_reward), generative (one trained with prm_kind generative: "
-        "it writes a critique of every step, then its verdict) or orm (an ORM's score after every step)",
+        "it writes a critique of every step, then its verdict), orm (an ORM's score after every step) or implicit "
+        "(an implicit PRM, prm_kind implicit: beta and its reference from its implicit_prm.json)",
     )
     model_name_or_path: str | None = _f(None, "the reward model (a directory); required")
     tokenizer_name_or_path: str | None = _f(None, "its tokenizer; null: model_name_or_path")

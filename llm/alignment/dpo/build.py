@@ -45,13 +45,21 @@ def build_pair_data(
     return load_packed(path, "pair", encode, data_args, batch_size, seed, probs, lazy, max_records)
 
 
+def load_reference(path: str | None, training_args, tokenizer, policy):
+    """A reference model: the model at ``path``, else a copy of ``policy`` as loaded (the initial model: a resume
+    loads the checkpoint into the policy only later, so it gets the same reference)."""
+    if path:
+        return load_causal_lm(path, training_args, tokenizer, init_from_config=False)
+    return copy.deepcopy(policy)
+
+
 def build_reference(model_args: DPOModelArgument, training_args: DPOTrainingArguments, tokenizer, policy):
     """The frozen reference: ``ref_model_name_or_path``, else a copy of the initial policy; None if unused, or
     with a LoRA policy (its base with the adapter disabled is the reference, ``llm.utils.lora.reference_model``)."""
     if not training_args.uses_reference:
         return None
     if model_args.ref_model_name_or_path:
-        return load_causal_lm(model_args.ref_model_name_or_path, training_args, tokenizer, init_from_config=False)
+        return load_reference(model_args.ref_model_name_or_path, training_args, tokenizer, policy)
     if model_args.lora:
         return None
     if not training_args.do_train:
@@ -61,7 +69,7 @@ def build_reference(model_args: DPOModelArgument, training_args: DPOTrainingArgu
         )
     if training_args.precompute_ref_log_probs:
         return None  # the initial policy computes them before the first step
-    return copy.deepcopy(policy)
+    return load_reference(None, training_args, tokenizer, policy)
 
 
 class DPORecipe(Recipe):

@@ -54,6 +54,15 @@ def collate_pairs(rows: list[PackedRow], pad_token_id: int, kernel: str = "sdpa"
     return PairBatch(**batch.__dict__, ref_chosen=ref_c, ref_rejected=ref_r)
 
 
+def freeze_reference(ref_model: torch.nn.Module | None, device) -> torch.nn.Module | None:
+    """A reference model as every trainer holds it: no gradient, eval mode, on ``device``; never trained, never in
+    a checkpoint (a resume builds it again as the first run did)."""
+    if ref_model is None:
+        return None
+    ref_model.requires_grad_(False)
+    return ref_model.eval().to(device)
+
+
 class DPOTrainer(AlignmentTrainer):
     """``args``: ``DPOTrainingArguments``, whose ``loss_type``, ``beta``, ``label_smoothing``, ``simpo_gamma``,
     ``sft_loss_weight`` and ``reference_free`` it reads. ``ref_model``: the frozen reference (None: precomputed
@@ -71,10 +80,7 @@ class DPOTrainer(AlignmentTrainer):
         self.readout_chunk = readout_chunk
         self.spec = loss_spec(self.args.loss_type)
         self.uses_reference = self.args.uses_reference
-        self.ref_model = ref_model
-        if ref_model is not None:
-            ref_model.requires_grad_(False)
-            self.ref_model = ref_model.eval().to(self.args.device)
+        self.ref_model = freeze_reference(ref_model, self.args.device)
         # a LoRA policy without an explicit reference: the base model (adapter disabled) is the reference
         self.adapter_reference = ref_model is None and is_peft_model(self.model)
 

@@ -8,11 +8,14 @@ import logging
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedTokenizerBase
 
 from llm.alignment.context import RunContext
+from llm.alignment.dpo.build import load_reference
 from llm.alignment.lm import weights_dtype
 from llm.alignment.recipe import Recipe, build_trainer
-from llm.alignment.rm.data import build_reward_data
+from llm.alignment.rm.data import build_implicit_data, build_reward_data
 from llm.alignment.rm.evaluation import AGGREGATIONS
 from llm.alignment.rm.genprm_trainer import GenPRMTrainer
+from llm.alignment.rm.implicit import read_implicit_prm
+from llm.alignment.rm.implicit_trainer import ImplicitPRMTrainer
 from llm.alignment.rm.orm_trainer import ORMTrainer
 from llm.alignment.rm.prm_trainer import PRMTrainer
 from llm.alignment.rm.trainer import RewardTrainer
@@ -231,8 +234,54 @@ class GenPRMRecipe(PRMRecipe):
         return {"reward_token_ids": self.reward_token_ids, "reward_tokens": self.model_args.label_tokens}
 
 
+class ImplicitPRMRecipe(RewardRecipe):
+    """A causal LM whose log-ratio to a frozen reference is the reward (``implicit_trainer.py``): DPO's reference
+    machinery (``dpo.build.load_reference``: ``implicit_reference``, else a copy of the initial model)."""
+
+    trainer_class = ImplicitPRMTrainer
+
+    @property
+    def task(self) -> str:
+        return f"implicit PRM ({self.training_args.implicit_loss})"
+
+    def check(self) -> None:
+        if self.model_args.lora:
+            raise UserError(
+                "prm_kind implicit with lora: not supported yet (the reference would be the adapter-free base); "
+                "set lora false"
+            )
+        super().check()
+
+    def load_model(self, tokenizer):
+        return Recipe.load_model(self, tokenizer)  # the causal LM itself, no reward tokens
+
+    def reference_path(self) -> str | None:
+        """The reference model's directory: ``implicit_reference``; in an evaluation-only run the one the evaluated
+        model's ``implicit_prm.json`` names; None: a copy of the initial model."""
+        m, t = self.model_args, self.training_args
+        if m.implicit_reference or t.do_train:
+            return m.implicit_reference
+        return read_implicit_prm(m.model_name_or_path, "model_name_or_path")[1]
+
+    def model_objects(self, model, tokenizer) -> dict:
+        path = self.reference_path()
+        reference = load_reference(path, self.training_args, tokenizer, model)
+        return {"ref_model": reference, "reference_path": path if self.model_args.implicit_reference else None}
+
+    def read_split(self, path, split, batch_size, probs=None, lazy=False, max_records=None) -> PackedData:
+        t, run = self.training_args, self.run
+        pairs = t.implicit_loss == "dpo"
+        return build_implicit_data(
+            path, split, run.tokenizer, self.model_args, self.data_args, run.encoding, pairs, batch_size, t.seed,
+            probs, lazy, max_records,
+        )  # fmt: skip
+
+
 def build_reward_trainer(run: RunContext) -> tuple[RewardTrainer, PackedData | None, PackedData | None]:
     """``run``: ``RunContext.load(model_args, data_args, training_args)`` of the reward argument types."""
     t = run.training_args
-    recipe = (GenPRMRecipe if t.prm_kind == "generative" else PRMRecipe) if t.process_reward else ORMRecipe
+    if run.model_args.implicit_reference and t.prm_kind != "implicit":
+        raise UserError("implicit_reference is prm_kind implicit's: set prm_kind implicit, or remove it")
+    prm = {"generative": GenPRMRecipe, "implicit": ImplicitPRMRecipe}.get(t.prm_kind, PRMRecipe)
+    recipe = prm if t.process_reward else ORMRecipe
     return build_trainer(recipe(run))

@@ -12,6 +12,7 @@ import functools
 from transformers import PreTrainedTokenizerBase
 
 from llm.data.encode_genprm import encode_genprm
+from llm.data.encode_implicit import encode_implicit_pair, encode_implicit_solution
 from llm.data.encode_reward import encode_pair_for_scores, encode_prm
 from llm.data.encoding import (
     EncodeConfig,
@@ -125,6 +126,45 @@ def build_reward_data(
         encode, kind = functools.partial(encode_orm_eval, tokenizer=tokenizer, cfg=cfg), "orm_eval"
     else:
         encode, kind = functools.partial(encode_pair_for_scores, tokenizer=tokenizer, cfg=cfg), "pair"
+    return load_packed(
+        path,
+        kind,
+        encode,
+        data_args,
+        batch_size,
+        seed,
+        probs,
+        lazy,
+        max_records,
+        reward_tokens=tokens,
+        placeholder=model_args.placeholder_token,
+    )
+
+
+def build_implicit_data(
+    path: str,
+    split: Split,
+    tokenizer: PreTrainedTokenizerBase,
+    model_args: RewardModelArgument,
+    data_args: DataArgument,
+    cfg: EncodeConfig,
+    pairs: bool,
+    batch_size: int,
+    seed: int,
+    probs: str | None = None,
+    lazy: bool = False,
+    max_records: int | None = None,
+) -> PackedData:
+    """One split of an implicit PRM (``llm.data.encode_implicit``): PRM records, each solution with its outcome (the
+    ``ce`` form's training split, and every dev split: ProcessBench, best-of-N, labelled solutions); with ``pairs``
+    (the ``dpo`` form's training split) preference pairs of solutions, one step per line."""
+    tokens = model_args.label_tokens
+    if pairs and split == "train":
+        encode = functools.partial(encode_implicit_pair, tokenizer=tokenizer, cfg=cfg)
+        kind = "pair"
+    else:
+        encode = functools.partial(encode_implicit_solution, tokenizer=tokenizer, cfg=cfg, reward_tokens=tokens)
+        kind = "prm"
     return load_packed(
         path,
         kind,

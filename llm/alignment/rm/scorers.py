@@ -1,7 +1,7 @@
-"""Every step scorer (``STEP_SCORERS``, ``prm.kind``): importing this module registers them all; the registry
-imports it on its first lookup. The interface and the discriminative and ORM scorers: ``scoring.py``; the
-generative PRM: ``generative.py``."""
+"""Every built-in step scorer, registered on import: the module the registry ``STEP_SCORERS`` loads
+(``llm.settings.registry``). ``scoring.py`` holds the interface and the discriminative and ORM kinds; a kind in a
+module of its own is imported here: the generative PRM (``generative.py``), the implicit PRM (``implicit.py``)."""
 
-from llm.alignment.rm import generative, scoring
+from llm.alignment.rm import generative, implicit, scoring
 
-__all__ = ["generative", "scoring"]
+__all__ = ["generative", "implicit", "scoring"]

@@ -20,6 +20,9 @@ The kinds:
   ORM best-of-N candidate; read at its last token, no EOS appended: the solution is not known to be
   finished), so ``last`` aggregation is the ORM's score of the whole text. Each prefix is its own sequence
   (K sequences for K steps): exact, and quadratic in the steps.
+- ``implicit`` (``implicit.py``, a module of its own: ``scorers.py`` imports every kind's module): an implicit PRM
+  (``run_reward.py`` with ``prm_kind: implicit``): p(correct) of step k = ``sigmoid`` of beta times the log-ratio
+  to its reference summed over the steps up to k.
 """
 
 from __future__ import annotations

@@ -283,6 +283,8 @@ def build_scorer(model_args, training_args, serve_args: ServeArgument, max_token
     from llm.utils.modeling import load_tokenizer
 
     tokenizer = load_tokenizer(model_args.tokenizer_name_or_path or model_args.model_name_or_path)
+    if training_args.process_reward and training_args.prm_kind == "implicit":
+        return implicit_scorer(model_args, training_args, serve_args, tokenizer, max_tokens)
     model, ids = build_reward_model(model_args, training_args, tokenizer)  # ids: a PRM's reward tokens
     model.eval()
     path = model_args.model_name_or_path
@@ -313,3 +315,20 @@ def build_scorer(model_args, training_args, serve_args: ServeArgument, max_token
         serve_args.micro_batch_size,
     )
     return RewardScorer(prm, tokenizer, "prm", path, max_tokens)
+
+
+def implicit_scorer(model_args, training_args, serve_args: ServeArgument, tokenizer, max_tokens) -> RewardScorer:
+    """An implicit PRM (``prm_kind: implicit``) as PPO's ``implicit_prm`` reward reads it: the config's
+    ``implicit_beta``, the reference ``implicit_reference`` or, unset, the one the model's ``implicit_prm.json``
+    names; the answer is the steps' p(correct) and their aggregation, as for a discriminative PRM."""
+    from llm.alignment.ppo.rewards.implicit import ImplicitPRMReward
+    from llm.alignment.rm.implicit import ImplicitPRM, read_implicit_prm
+
+    path = model_args.model_name_or_path
+    reference = model_args.implicit_reference or read_implicit_prm(path, "model_name_or_path")[1]
+    scorer = ImplicitPRM.load(
+        path, reference, tokenizer, training_args.implicit_beta, serve_args.micro_batch_size, training_args.seed,
+        init_from_config=model_args.init_from_config,
+    )  # fmt: skip
+    reward = ImplicitPRMReward(scorer, tokenizer, serve_args.step_separator, serve_args.prm_aggregation, "token")
+    return RewardScorer(reward, tokenizer, "implicit_prm", path, max_tokens)

@@ -4,6 +4,7 @@ config check and the builder both read:
 - ``rule`` (rule.py): a Python function ``module:function(prompt, response, reference)``;
 - ``http`` (http.py): a scoring server;
 - ``orm`` / ``prm`` (model.py): a trained outcome / process reward model;
+- ``implicit_prm`` (implicit.py): a trained implicit PRM, dense per-token or per-step rewards.
 - several of them, weighted and summed (combined.py: ``reward`` as a list).
 - ``generative_prm`` (generative.py): a generative PRM (a critique, then a verdict, per step).
 
@@ -21,6 +22,7 @@ from llm.alignment.ppo.rewards.base import (
 from llm.alignment.ppo.rewards.combined import WeightedRewards, build_rewards
 from llm.alignment.ppo.rewards.generative import GenerativePRMReward
 from llm.alignment.ppo.rewards.http import HttpReward
+from llm.alignment.ppo.rewards.implicit import ImplicitPRMReward
 from llm.alignment.ppo.rewards.model import (
     ORMReward,
     PRMReward,
@@ -39,6 +41,7 @@ __all__ = [
     "REWARDS",
     "GenerativePRMReward",
     "HttpReward",
+    "ImplicitPRMReward",
     "ORMReward",
     "PRMReward",
     "RewardFunction",
