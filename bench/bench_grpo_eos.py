@@ -234,7 +234,8 @@ def main() -> None:
         "--trl-worker",
         nargs=2,
         metavar=("SPEC", "RESULT"),
-        help="only TRL's side: run_trl's keyword arguments from the JSON file SPEC, its result into RESULT (tests)",
+        help="only TRL's side: a list of run_trl's keyword arguments from the JSON file SPEC, their results into "
+        "RESULT (tests)",
     )
     a = p.parse_args()
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -244,7 +245,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     if a.trl_worker:
         with open(a.trl_worker[0], encoding="utf-8") as f:
-            result = run_trl(**json.load(f))
+            result = [run_trl(**spec) for spec in json.load(f)]
         with open(a.trl_worker[1], "w", encoding="utf-8") as f:
             json.dump(result, f)
         return

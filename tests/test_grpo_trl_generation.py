@@ -6,8 +6,9 @@ more often than ours (bench/README.md, "GRPO: completion lengths at step 0"). He
 likely enough that some completions stop and some reach the cap, our step-0 rollout (bench/bench_grpo_eos.py's
 ``run_ours``: the config parsed, prompts, actor and sampling settings as a run builds them) and TRL's own
 ``_tokenize_prompts`` + ``_generate_single_turn`` (in a subprocess with TRL's current release first on the path),
-given the texts bench_grpo.py gives each side and the same torch seed, must see the same prompt ids, stop on the
-same ids and return token-for-token the same completions.
+given the texts bench_grpo.py gives each side (and, with the chat template, the arithmetic task's conversations) and
+the same torch seed, must see the same prompt ids, stop on the same ids and return token-for-token the same
+completions.
 """
 
 import json
@@ -40,28 +41,44 @@ def eos_prone_model(directory: str) -> int:
     return tok.eos_token_id
 
 
-def test_grpo_step0_completions_equal_trls(tmp_path):
+@pytest.fixture(scope="module")
+def trl_path():
     path = trl_current()
     if path is None:
         if os.environ.get("CI") or os.environ.get("REQUIRE_TRL_CURRENT"):
             pytest.fail("TRL's current release is not installed in .trl-current: run bash scripts/setup.sh")
         pytest.skip("TRL's current release is not installed in .trl-current (bash scripts/setup.sh installs it)")
+    return path
+
+
+def test_grpo_step0_completions_equal_trls(tmp_path, trl_path):
+    """Plain text (bench_grpo.py's prompts, each side's text as the benchmark gives it) and the chat template
+    (the arithmetic task's prompts as conversations), both in one TRL process."""
     model_dir = str(tmp_path / "model")
     eos = eos_prone_model(model_dir)
     n, settings = 4, {"samples": 4, "new_tokens": 12, "temperature": 1.0}
-    ours = run_ours(
-        ours_config(model_dir, [{"src": t} for t in prompt_texts(n)], str(tmp_path), chat=False, seed=3, **settings)
-    )
-    spec = {
-        "model_dir": model_dir,
-        "texts": trl_prompt_texts(n),
-        "seed": 3,
-        "generator_seed": ours["seed"],
-        "workdir": str(tmp_path),
-        **settings,
+    with open(os.path.join(ROOT, "llm/data/sample_arith/arith_train.jsonl"), encoding="utf-8") as f:
+        arith = [json.loads(line)["src"] for line in f][:n]
+    cases = {  # name: (our records, use_chat_template, TRL's prompts)
+        "plain": ([{"src": t} for t in prompt_texts(n)], False, trl_prompt_texts(n)),
+        "chat": ([{"src": t} for t in arith], True, [[{"role": "user", "content": t}] for t in arith]),
     }
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": ROOT, "TRL_CURRENT_PATH": path, "OMP_NUM_THREADS": "1"}
+    ours, specs = {}, []
+    for name, (rows, chat, texts) in cases.items():
+        (tmp_path / name).mkdir()
+        ours[name] = run_ours(ours_config(model_dir, rows, str(tmp_path / name), chat=chat, seed=3, **settings))
+        specs.append(
+            {
+                "model_dir": model_dir,
+                "texts": texts,
+                "seed": 3,
+                "generator_seed": ours[name]["seed"],
+                "workdir": str(tmp_path / name),
+                **settings,
+            }
+        )
+    (tmp_path / "spec.json").write_text(json.dumps(specs))
+    env = {**os.environ, "PYTHONPATH": ROOT, "TRL_CURRENT_PATH": trl_path, "OMP_NUM_THREADS": "1"}
     script = os.path.join(ROOT, "bench", "bench_grpo_eos.py")
     done = subprocess.run(  # noqa: PLW1510 - the return code is asserted below, with its stderr
         [sys.executable, script, "--trl-worker", str(tmp_path / "spec.json"), str(tmp_path / "trl.json")],
@@ -71,14 +88,15 @@ def test_grpo_step0_completions_equal_trls(tmp_path):
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    theirs = json.loads((tmp_path / "trl.json").read_text())
-    assert theirs["trl_version"] >= "1.16"
-    assert theirs["prompt_ids"] == ours["prompt_ids"]
-    assert theirs["stop_ids"] == ours["stop_ids"] == [eos]
-    lengths = [len(c) for c in ours["completions"]]
-    assert [len(c) for c in theirs["completions"]] == lengths
-    assert theirs["completions"] == ours["completions"]
-    # the batch exercises both ends: completions cut after EOS and completions at the cap
-    ended = [c[-1] == eos for c in ours["completions"]]
-    assert any(ended) and not all(ended), lengths
-    assert all(n == settings["new_tokens"] for n, e in zip(lengths, ended) if not e)
+    for name, theirs in zip(cases, json.loads((tmp_path / "trl.json").read_text())):
+        mine = ours[name]
+        assert theirs["trl_version"] >= "1.16"
+        assert theirs["prompt_ids"] == mine["prompt_ids"], name
+        assert theirs["stop_ids"] == mine["stop_ids"] == [eos], name
+        lengths = [len(c) for c in mine["completions"]]
+        assert [len(c) for c in theirs["completions"]] == lengths, name
+        assert theirs["completions"] == mine["completions"], name
+        # the batch exercises both ends: completions cut after EOS and completions at the cap
+        ended = [c[-1] == eos for c in mine["completions"]]
+        assert any(ended) and not all(ended), (name, lengths)
+        assert all(k == settings["new_tokens"] for k, e in zip(lengths, ended) if not e), name
