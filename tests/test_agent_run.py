@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from llm.alignment.ppo.agent.episode import merge_episode_metrics
 from llm.alignment.ppo.agent.source import MultiTurn
 from llm.alignment.ppo.build import PPOContext, build_ppo, load_prompts, placed_roles
 from llm.alignment.ppo.samples_log import sample_rows
@@ -114,3 +115,42 @@ def test_on_error_zero_and_drop_in_the_batch(tmp_path):
     d = drop.scored
     assert len(d.samples) == 2 and all(e["errors"] == [] for e in d.samples.episodes)
     assert drop.metrics["episode/dropped"] == 2.0
+
+
+def test_merge_episode_metrics_by_hand():
+    a = {"episode/turns": 2.0, "episode/env_reward": 1.0, "episode/env_errors": 1.0, "episode/dropped": 0.0,
+         "episode/episodes": 4.0, "episode/cut_max_turns": 1.0}  # fmt: skip
+    b = {"episode/turns": 5.0, "episode/env_reward": 0.0, "episode/env_errors": 0.0, "episode/dropped": 2.0,
+         "episode/episodes": 2.0, "episode/cut_max_turns": 2.0}  # fmt: skip
+    got = merge_episode_metrics([a, {"time/rollout": 1.0}, b])
+    assert got["episode/turns"] == pytest.approx((2 * 4 + 5 * 2) / 6)  # means weighted by episodes
+    assert got["episode/env_reward"] == pytest.approx(4 / 6)
+    assert got["episode/env_errors"] == 1.0 and got["episode/dropped"] == 2.0  # counts summed
+    assert got["episode/episodes"] == 6.0 and got["episode/cut_max_turns"] == 3.0 and "time/rollout" not in got
+    assert merge_episode_metrics([{"time/rollout": 1.0}]) == {}
+
+
+def test_dynamic_sampling_keeps_the_episode_metrics_of_every_round(tmp_path):
+    """DAPO around a multi-turn source: the step's episode/... metrics cover every generation round's episodes."""
+    path = ppo_config_file(
+        tmp_path,
+        TINY,
+        "grpo",
+        {
+            "actor_rollout": {"max_response_length": 4, "num_samples_per_step": 2, "ppo_mini_batch_size": 4},
+            "algorithm": {"adv_estimator": "grpo", "use_kl_in_reward": False, "filter_groups": True},
+            "reward": {"rule": "tests.test_ppo_dapo:half_constant"},
+            "data": {"rollout_batch_size": 2, "use_chat_template": None},
+            "environment": {"name_or_path": "tests.agent_envs:Echo", "kwargs": {"turns": 2}, "max_episode_tokens": 256},
+        },
+    )
+    c = parse_ppo_config([path])
+    run = PPOContext.load(c)
+    with placed_roles(c, run) as roles:
+        trainer = build_ppo(c, load_prompts(c, run), roles, run)
+        eos = trainer.tokenizer.eos_token_id
+        trainer.generator.generate = lambda prompt_ids, **s: [[5 + i % 3, eos] for i in range(len(prompt_ids))]
+        m = trainer.train_step()
+    assert m["dapo/gen_rounds"] > 1 and m["episode/episodes"] == 4 * m["dapo/gen_rounds"]  # 2 prompts x 2 each
+    assert m["episode/turns"] == 2.0 and m["episode/env_reward"] == pytest.approx(0.3)
+    assert m["time/rollout_generation"] > 0  # the inner source's own phases are summed over the rounds too

@@ -54,6 +54,7 @@ import logging
 
 import torch
 
+from llm.alignment.ppo.agent.episode import merge_episode_metrics
 from llm.alignment.ppo.interfaces import Samples, Scored
 from llm.alignment.ppo.prompts import PromptStream
 from llm.alignment.ppo.rollout import ROUND_SEED_STRIDE, RolloutBatch, RolloutSource
@@ -200,10 +201,13 @@ class DynamicSampling:
         kept = dropped = 0
         rounds = 1
         seconds = {"time/rollout": 0.0, "time/score": 0.0}
+        rounds_metrics = []  # each round's own metrics (a multi-turn source's episode/...), merged below
         while True:
             batch = self.inner.collect(step, rounds - 1)
-            for key in seconds:
-                seconds[key] += batch.metrics.get(key, 0.0)
+            rounds_metrics.append(batch.metrics)
+            for key, value in batch.metrics.items():  # every round's seconds (the inner source's phases too)
+                if key.startswith("time/"):
+                    seconds[key] = seconds.get(key, 0.0) + value
             scored = batch.scored
             groups = informative_groups(outcomes(scored), n)
             dropped += len(scored.samples) // n - len(groups)
@@ -222,6 +226,7 @@ class DynamicSampling:
             "dapo/groups_surplus": float(kept - use),
             "dapo/update_skipped": float(use == 0),
             **seconds,
+            **merge_episode_metrics(rounds_metrics),
         }
         if kept < size:
             logger.warning(

@@ -113,7 +113,28 @@ def episode_metrics(episodes: list[Episode], dropped: int = 0) -> dict[str, floa
         "episode/env_errors": float(sum(e.failed for e in episodes)),
         "episode/dropped": float(dropped),
         "episode/env_seconds": sum(e.env_seconds for e in episodes) / n,
+        "episode/episodes": float(len(episodes)),
     }
     for cut in CUTS:
         out[f"episode/cut_{cut}"] = float(sum(e.cut == cut for e in episodes))
+    return out
+
+
+def merge_episode_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """The ``episode/...`` metrics of several rounds of one step (DAPO's refill) as one step's: the counts summed,
+    the means per episode weighted by each round's episodes (kept + dropped). Other keys are left out."""
+    parts = [p for p in parts if "episode/turns" in p]
+    if not parts:
+        return {}
+    counts = {"episode/env_errors", "episode/dropped", *(f"episode/cut_{cut}" for cut in CUTS)}
+    # a round's episodes: its samples are not known here, but its mean turns times episodes is; the weights are the
+    # round's episode counts, recorded by episode_metrics
+    weights = [p["episode/episodes"] for p in parts]
+    total = sum(weights) or 1.0
+    out = {}
+    for key in parts[0]:
+        if key in counts or key == "episode/episodes":
+            out[key] = float(sum(p[key] for p in parts))
+        else:
+            out[key] = sum(p[key] * w for p, w in zip(parts, weights)) / total
     return out
