@@ -100,13 +100,13 @@ def run_ours(config_path: str) -> dict:
     model = load(c, AutoModelForCausalLM, c.actor_rollout.model_name_or_path, False, run.tokenizer, Place(), True)
     policy = PolicyModel(model, run.tokenizer, c.actor_rollout.temperature, len(prompts))
     t = time.perf_counter()
-    responses, _ = rollout.generate(policy, c, [p.ids for p in prompts], step=0)
+    responses, _ = rollout.generate(policy, c, [p.ids for p in prompts], step=0, stop_ids=run.stop_ids)
     seconds = time.perf_counter() - t
     tok = run.tokenizer
     return {
         "prompt_ids": [p.ids for p in prompts],
         "completions": responses,
-        "stop_ids": [tok.eos_token_id],
+        "stop_ids": list(run.stop_ids),
         "seed": rollout.sampling(c, 0)["seed"],
         "texts": [tok.decode(r) for r in responses],
         "generate_s": seconds,

@@ -8,7 +8,7 @@ likely enough that some completions stop and some reach the cap, our step-0 roll
 ``_tokenize_prompts`` + ``_generate_single_turn`` (in a subprocess with TRL's current release first on the path),
 given the texts bench_grpo.py gives each side (and, with the chat template, the arithmetic task's conversations) and
 the same torch seed, must see the same prompt ids, stop on the same ids and return token-for-token the same
-completions.
+completions; also on a model whose generation_config.json adds a second EOS id (TRL stops on it too).
 """
 
 import json
@@ -21,7 +21,7 @@ import torch
 
 from bench.bench_grpo import prompt_texts, trl_prompt_texts
 from bench.bench_grpo_eos import ours_config, run_ours
-from tests.helpers import ROOT, tiny_model, tokenizer
+from tests.helpers import ROOT, SECOND_EOS, tiny_model, tokenizer, two_eos_model
 
 
 def trl_current() -> str | None:
@@ -54,22 +54,27 @@ def trl_path():
 def test_grpo_step0_completions_equal_trls(tmp_path, trl_path):
     """Plain text (bench_grpo.py's prompts, each side's text as the benchmark gives it) and the chat template
     (the arithmetic task's prompts as conversations), both in one TRL process."""
-    model_dir = str(tmp_path / "model")
+    model_dir, two_eos_dir = str(tmp_path / "model"), str(tmp_path / "two_eos_model")
     eos = eos_prone_model(model_dir)
+    assert two_eos_model(two_eos_dir) == eos
     n, settings = 4, {"samples": 4, "new_tokens": 12, "temperature": 1.0}
     with open(os.path.join(ROOT, "llm/data/sample_arith/arith_train.jsonl"), encoding="utf-8") as f:
         arith = [json.loads(line)["src"] for line in f][:n]
-    cases = {  # name: (our records, use_chat_template, TRL's prompts)
-        "plain": ([{"src": t} for t in prompt_texts(n)], False, trl_prompt_texts(n)),
-        "chat": ([{"src": t} for t in arith], True, [[{"role": "user", "content": t}] for t in arith]),
+    plain = ([{"src": t} for t in prompt_texts(n)], False, trl_prompt_texts(n))
+    cases = {  # name: (model, our records, use_chat_template, TRL's prompts)
+        "plain": (model_dir, *plain),
+        "chat": (model_dir, [{"src": t} for t in arith], True, [[{"role": "user", "content": t}] for t in arith]),
+        # generation_config.json lists a second EOS id (as Qwen2.5-Instruct's): both sides stop at either
+        "two_eos": (two_eos_dir, *plain),
     }
+    stops = {"plain": [eos], "chat": [eos], "two_eos": [eos, SECOND_EOS]}
     ours, specs = {}, []
-    for name, (rows, chat, texts) in cases.items():
+    for name, (model, rows, chat, texts) in cases.items():
         (tmp_path / name).mkdir()
-        ours[name] = run_ours(ours_config(model_dir, rows, str(tmp_path / name), chat=chat, seed=3, **settings))
+        ours[name] = run_ours(ours_config(model, rows, str(tmp_path / name), chat=chat, seed=3, **settings))
         specs.append(
             {
-                "model_dir": model_dir,
+                "model_dir": model,
                 "texts": texts,
                 "seed": 3,
                 "generator_seed": ours[name]["seed"],
@@ -92,11 +97,11 @@ def test_grpo_step0_completions_equal_trls(tmp_path, trl_path):
         mine = ours[name]
         assert theirs["trl_version"] >= "1.16"
         assert theirs["prompt_ids"] == mine["prompt_ids"], name
-        assert theirs["stop_ids"] == mine["stop_ids"] == [eos], name
+        assert theirs["stop_ids"] == mine["stop_ids"] == stops[name], name
         lengths = [len(c) for c in mine["completions"]]
         assert [len(c) for c in theirs["completions"]] == lengths, name
         assert theirs["completions"] == mine["completions"], name
         # the batch exercises both ends: completions cut after EOS and completions at the cap
-        ended = [c[-1] == eos for c in mine["completions"]]
+        ended = [c[-1] in stops[name] for c in mine["completions"]]
         assert any(ended) and not all(ended), (name, lengths)
         assert all(k == settings["new_tokens"] for k, e in zip(lengths, ended) if not e), name

@@ -185,8 +185,8 @@ class AsyncRollouts:
         generating policy's old log-probs when a forward gives them."""
         start, ctx = time.perf_counter(), self.context
         prompts = [ctx.prompts[i] for i in indices]
-        responses, engine = generate(self.copy, ctx.config, [p.ids for p in prompts], step)
-        samples = make_samples(prompts, responses, ctx.tokenizer)
+        responses, engine = generate(self.copy, ctx.config, [p.ids for p in prompts], step, stop_ids=ctx.stop_ids)
+        samples = make_samples(prompts, responses, ctx.tokenizer, ctx.stop_ids)
         old = self.copy.log_probs(samples) if self.need_forward else None
         return Rollout(step, list(indices), version, samples, engine, old, time.perf_counter() - start)
 

@@ -2,7 +2,9 @@
 
 ``PPOContext.load(config)`` is called once, in the driver (``run_ppo.py``, before the prompts and the roles): it
 loads the actor's tokenizer, and the reward model's when there is one (the actor's own object when both name the
-same tokenizer), and resolves ``data.use_chat_template`` from the actor's. The prompts (``load_prompts``), every
+same tokenizer), resolves ``data.use_chat_template`` from the actor's, and the ids that end a response
+(``stop_ids``: the tokenizer's EOS and the actor model's generation-config EOS ids, as TRL's GRPO stops on; every
+generation, the samples' ``ended`` and the episodes' end of turn read them). The prompts (``load_prompts``), every
 role builder (``build_role``; a Ray worker gets a copy of the record with its config, so it loads no tokenizer)
 and the trainer read this record; the fingerprint is computed from it at its first use, once (the resume check,
 else the build). The config stays as validated: nothing derived is written back into it.
@@ -11,6 +13,7 @@ else the build). The config stays as validated: nothing derived is written back 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from dataclasses import dataclass
 
@@ -20,7 +23,9 @@ from llm.data.encoding import resolve_chat_template
 from llm.settings.fingerprint import Fingerprint, run_fingerprint
 from llm.settings.ppo import PPOConfig
 from llm.settings.registry import reward_type
-from llm.utils.modeling import load_tokenizer
+from llm.utils.modeling import generation_eos_ids, load_tokenizer, stop_token_ids
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -29,10 +34,12 @@ class PPOContext:
     tokenizer: PreTrainedTokenizerBase  # the actor's: the prompts' and responses' ids, and every role reading them
     reward_tokenizer: PreTrainedTokenizerBase | None  # the reward model's (None: a reward type without a model)
     use_chat_template: bool  # data.use_chat_template as the prompts are rendered (unset: the actor tokenizer decides)
+    stop_ids: tuple[int, ...]  # the ids that end a response: the tokenizer's EOS first (modeling.stop_token_ids)
 
     @classmethod
     def load(cls, c: PPOConfig) -> PPOContext:
-        """The run's tokenizers, each loaded once, and what they decide (the chat-template choice is logged)."""
+        """The run's tokenizers, each loaded once, and what they decide (the chat-template choice is logged, and the
+        stop ids when the model's generation config adds any to the tokenizer's EOS)."""
         a, r = c.actor_rollout, c.reward
         actor_path = a.tokenizer_name_or_path or a.model_name_or_path
         tokenizer = load_tokenizer(actor_path)
@@ -42,7 +49,16 @@ class PPOContext:
             same = _same_path(path, actor_path)
             reward_tokenizer = tokenizer if same else load_tokenizer(path)
         use_chat_template = resolve_chat_template(c.data.use_chat_template, tokenizer, "data.use_chat_template")
-        return cls(c, tokenizer, reward_tokenizer, use_chat_template)
+        stop_ids = stop_token_ids(tokenizer, generation_eos_ids(a.model_name_or_path))
+        if stop_ids and stop_ids != (tokenizer.eos_token_id,):
+            logger.info(
+                "responses end at any of the token ids %s (%s): the tokenizer's EOS and the eos_token_id of %s's "
+                "generation config",
+                list(stop_ids),
+                ", ".join(repr(t) for t in tokenizer.convert_ids_to_tokens(list(stop_ids))),
+                a.model_name_or_path,
+            )
+        return cls(c, tokenizer, reward_tokenizer, use_chat_template, stop_ids)
 
     @functools.cached_property
     def fingerprint(self) -> Fingerprint:
