@@ -11,8 +11,10 @@ from types import SimpleNamespace
 import pytest
 
 from bench.bench_grpo_eos import ours_config, run_ours
+from llm.alignment.label.completer import ModelCompleter, Prefix, Sampling
 from llm.alignment.ppo.prompts import Prompt, make_samples
 from llm.alignment.ppo.vllm_rollout import VLLMRollout
+from llm.alignment.search.policy import StepPolicy
 from llm.utils.errors import UserError
 from llm.utils.modeling import generation_eos_ids, stop_token_ids
 from tests.helpers import ROOT, SECOND_EOS, tokenizer, two_eos_model
@@ -50,7 +52,7 @@ def test_rollout_stops_at_the_generation_configs_second_eos(tmp_path, caplog):
     eos = two_eos_model(model_dir)
     rows = [{"src": f"{a} plus {a} is"} for a in range(4)]
     new_tokens = 12
-    with caplog.at_level(logging.INFO, logger="llm.alignment.ppo.context"):
+    with caplog.at_level(logging.INFO, logger="llm.utils.modeling"):
         ours = run_ours(
             ours_config(
                 model_dir, rows, str(tmp_path), seed=3, samples=4, new_tokens=new_tokens, temperature=1.0, chat=False
@@ -109,3 +111,24 @@ def test_vllm_sampling_params_carry_the_stop_ids():
     seen.clear()
     engine.generate([[1, 4]], **settings, stop_ids=(eos, SECOND), ignore_eos=True)
     assert [p["stop_token_ids"] for p in seen] == [None] * 2
+
+
+def test_label_and_search_end_at_the_stop_ids():
+    """``llm/run_label.py``'s completer and ``llm/run_search.py``'s step policy: asked to stop at the stop ids, and a
+    completion / step ending at the second one is finished (before, only at the tokenizer's EOS)."""
+    tok = tokenizer()
+    stops, calls = (tok.eos_token_id, SECOND), []
+
+    def engine(prompt_ids, **settings):
+        calls.append(settings.get("stop_ids"))
+        return [[5, SECOND]] * (len(prompt_ids) * settings.get("num_samples", 1))
+
+    sampling = Sampling(1.0, 1.0, 0, 8, 4)
+    prefix = Prefix([{"role": "user", "content": "Q?"}], [])
+    assert [c.finished for c in ModelCompleter(engine, tok, sampling, False, "\n", stops).complete([prefix], 2, 0)[0]]
+    assert calls == [stops]
+    assert not ModelCompleter(engine, tok, sampling, False, "\n").complete([prefix], 1, 0)[0][0].finished
+    settings = {"max_step_tokens": 6, "max_new_tokens": 40, "batch_size": 2}
+    prompt = [tok("Q?\n")["input_ids"]]
+    assert StepPolicy(engine, tok, prompt, "\n", **settings, stop_ids=stops).expand([(0, ())], [1], 0, False)[0][0].done
+    assert not StepPolicy(engine, tok, prompt, "\n", **settings).expand([(0, ())], [1], 0, False)[0][0].done

@@ -10,7 +10,6 @@ from llm.settings.flat import DataArgument, ModelArgument, TrainingArguments
 from llm.settings.shared import reward_token_pair
 from llm.utils.errors import UserError
 
-
 # the PRM kinds run_reward.py trains (the field prm_kind); each is also a step scorer (STEP_SCORERS, same name)
 PRM_KINDS = ("discriminative",)
 

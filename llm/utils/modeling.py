@@ -141,6 +141,27 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase, generation_eos: Iterable[
     return tuple(dict.fromkeys([*first, *generation_eos]))
 
 
+def model_stop_ids(model, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """``stop_token_ids`` of a model already loaded: its ``generation_config``'s EOS ids (what loading it gave);
+    logged when they are more than the tokenizer's EOS."""
+    config = getattr(model, "generation_config", None)
+    stop_ids = stop_token_ids(tokenizer, eos_id_list(getattr(config, "eos_token_id", None)))
+    log_stop_ids(stop_ids, tokenizer, getattr(model, "name_or_path", "") or type(model).__name__)
+    return stop_ids
+
+
+def log_stop_ids(stop_ids: tuple[int, ...], tokenizer: PreTrainedTokenizerBase, source: str) -> None:
+    """One log line naming the stop ids, when the model's generation config adds any to the tokenizer's EOS."""
+    if stop_ids and stop_ids != (tokenizer.eos_token_id,):
+        logger.info(
+            "responses end at any of the token ids %s (%s): the tokenizer's EOS and the eos_token_id of %s's "
+            "generation config",
+            list(stop_ids),
+            ", ".join(repr(t) for t in tokenizer.convert_ids_to_tokens(list(stop_ids))),
+            source,
+        )
+
+
 # set while a run that resumes a checkpoint builds its model (llm/alignment/recipe.py): a config-built model's
 # random weights are then replaced at once, and the log says so instead of "initialised randomly"
 RESUMING: contextvars.ContextVar[bool] = contextvars.ContextVar("resuming", default=False)

@@ -31,7 +31,7 @@ from llm.alignment.ppo.update import PolicyUpdate, ValueUpdate
 from llm.data.readers import load_dataset_records
 from llm.settings.ppo import PPOConfig, shares_actor_base
 from llm.utils.errors import UserError
-from llm.utils.modeling import eos_id_list, load_config, stop_token_ids
+from llm.utils.modeling import load_config, model_stop_ids
 from llm.utils.paths import resolve_paths
 
 logger = logging.getLogger(__name__)
@@ -264,7 +264,7 @@ def build_from_models(
         ORMReward(reward.eval(), reward_tokenizer or tok, tok, micro("reward")),
         ref_role,
         CriticRole(critic, tok, micro("critic"), optimizer_for(c, critic, "critic", place), value_update(c)),
-        stop_ids=stop_token_ids(tok, eos_id_list(getattr(policy.generation_config, "eos_token_id", None))),
+        stop_ids=model_stop_ids(policy, tok),
     )
 
 

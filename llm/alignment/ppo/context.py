@@ -13,7 +13,6 @@ else the build). The config stays as validated: nothing derived is written back 
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from dataclasses import dataclass
 
@@ -23,9 +22,7 @@ from llm.data.encoding import resolve_chat_template
 from llm.settings.fingerprint import Fingerprint, run_fingerprint
 from llm.settings.ppo import PPOConfig
 from llm.settings.registry import reward_type
-from llm.utils.modeling import generation_eos_ids, load_tokenizer, stop_token_ids
-
-logger = logging.getLogger(__name__)
+from llm.utils.modeling import generation_eos_ids, load_tokenizer, log_stop_ids, stop_token_ids
 
 
 @dataclass(frozen=True)
@@ -50,14 +47,7 @@ class PPOContext:
             reward_tokenizer = tokenizer if same else load_tokenizer(path)
         use_chat_template = resolve_chat_template(c.data.use_chat_template, tokenizer, "data.use_chat_template")
         stop_ids = stop_token_ids(tokenizer, generation_eos_ids(a.model_name_or_path))
-        if stop_ids and stop_ids != (tokenizer.eos_token_id,):
-            logger.info(
-                "responses end at any of the token ids %s (%s): the tokenizer's EOS and the eos_token_id of %s's "
-                "generation config",
-                list(stop_ids),
-                ", ".join(repr(t) for t in tokenizer.convert_ids_to_tokens(list(stop_ids))),
-                a.model_name_or_path,
-            )
+        log_stop_ids(stop_ids, tokenizer, a.model_name_or_path)
         return cls(c, tokenizer, reward_tokenizer, use_chat_template, stop_ids)
 
     @functools.cached_property
