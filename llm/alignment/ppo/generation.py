@@ -1,5 +1,6 @@
 """Sampling responses with Hugging Face ``generate``: left-padded prompts on stock SDPA with a KV cache,
-responses cut at the first stop id (the tokenizer's EOS, or the run's ``stop_ids``), and (optionally) the sampled tokens' log-probs from the generation's own logits."""
+responses cut at the first stop id (the tokenizer's EOS, or the run's ``stop_ids``), and (optionally) the sampled
+tokens' log-probs from the generation's own logits."""
 
 from __future__ import annotations
 
