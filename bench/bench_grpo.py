@@ -1,7 +1,7 @@
 """GRPO, ours (``adv_estimator: grpo``) vs TRL's current ``GRPOTrainer``: trained tokens per second (CPU).
 
 Same model (a seeded tiny Llama saved once, loaded by both), prompts (the first ``--prompts`` of
-llm/data/sample/prompts.jsonl per step), group size (``--group``, 8), completion cap (``--new-tokens``),
+llm/data/sample/prompts.jsonl per step, as plain text with a newline after each on both sides), group size (``--group``, 8), completion cap (``--new-tokens``),
 temperature 1, one optimizer step per generation (AdamW, lr 1e-5, no clipping), k3 KL to the reference with
 coefficient 0.04 (TRL ``beta``; ours ``kl_loss_coef``, ``kl_penalty: k3``), the same rule reward
 (``llm.alignment.ppo.rewards.rule_functions:digit_fraction``) on the decoded completions. Trained tokens = completion tokens
@@ -110,6 +110,16 @@ def prompt_texts(n: int) -> list[str]:
     return [r["src"] if isinstance(r["src"], str) else r["src"][0] for r in rows[:n]]
 
 
+def trl_prompt_texts(n: int) -> list[str]:
+    """TRL's string prompts: the text our side renders from the same records (``use_chat_template: false``, a
+    newline after the prompt), so both sides sample from the same token ids. The bare record text made TRL's
+    SmolLM2 completions stop at EOS far more often than ours (bench/README.md, "GRPO: completion lengths at
+    step 0")."""
+    from llm.data.encoding import plain_prompt_text
+
+    return [plain_prompt_text([{"role": "user", "content": t}]) for t in prompt_texts(n)]
+
+
 def run_ours(a, engine: str) -> dict:
     from llm.alignment.ppo.build import ppo_trainer
     from llm.settings.load import parse_ppo_config
@@ -145,7 +155,7 @@ def run_ours(a, engine: str) -> dict:
         "critic": {},
         "reward": {"type": "rule", "rule": RULE},
         "algorithm": {"adv_estimator": "grpo", "kl_penalty": "k3", "kl_loss_coef": 0.04, "use_kl_in_reward": False},
-        # plain text, as TRL gets it (a string prompt: no chat template); unset would follow the tokenizer
+        # plain text, as TRL gets it (``trl_prompt_texts``: no chat template); unset would follow the tokenizer
         "data": {"train_dataset_path": data, "rollout_batch_size": a.prompts, "use_chat_template": False},
     }
     path = os.path.join(a.workdir, f"grpo_{os.getpid()}.json")
@@ -221,7 +231,7 @@ def run_trl(a, use_vllm: bool) -> dict:
         reward_funcs=[reward],
         args=args,
         processing_class=tok,
-        train_dataset=Dataset.from_dict({"prompt": prompt_texts(a.prompts * a.steps)}),
+        train_dataset=Dataset.from_dict({"prompt": trl_prompt_texts(a.prompts * a.steps)}),
         callbacks=[Clock()],
     )
     trainer.train()

@@ -26,7 +26,7 @@ from llm.data.readers import read_records
 from llm.utils import run_files
 from llm.utils.attention import PACKED_SDPA
 from llm.utils.errors import UserError, run_cli
-from llm.utils.modeling import load_tokenizer
+from llm.utils.modeling import load_tokenizer, model_stop_ids
 from llm.utils.rundir import check_output_dir, check_own_directory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,11 +79,17 @@ def compare_policies(sft_dir: str, ppo_dir: str, rm_dir: str, held_out: str, max
     result = {}
     for name, path in (("sft", sft_dir), ("ppo", ppo_dir)):
         model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=PACKED_SDPA).eval()
-        policy = PolicyModel(model, tok, 1.0, 16)
+        policy, stops = PolicyModel(model, tok, 1.0, 16), model_stop_ids(model, tok)
         responses = policy.generate(
-            [p.ids for p in prompts], num_samples=1, max_new_tokens=max_new_tokens, do_sample=False, top_p=1.0, top_k=0
+            [p.ids for p in prompts],
+            num_samples=1,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            top_p=1.0,
+            top_k=0,
+            stop_ids=stops,
         )
-        samples = make_samples(prompts, responses, tok)
+        samples = make_samples(prompts, responses, tok, stops)
         scores = orm.score(samples).scores
         exact = [
             math_exact_match(p, r, ref) for p, r, ref in zip(samples.prompts, samples.responses, samples.references)

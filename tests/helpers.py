@@ -26,6 +26,23 @@ def tiny_model(model_type="llama", auto_class=AutoModelForCausalLM, attn=PACKED_
     return auto_class.from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
+SECOND_EOS = 7  # two_eos_model's second EOS id (an ordinary token of the bundled tokenizer)
+
+
+def two_eos_model(directory: str, scale: float = 40.0) -> int:
+    """A seeded tiny Llama (bundled tokenizer, EOS 2) whose generation_config.json lists EOS ids [2, SECOND_EOS] while
+    its config.json names 2 only (as Qwen2.5-Instruct's), the LM-head row of SECOND_EOS scaled up so that it is sampled
+    often; returns the tokenizer's EOS id."""
+    tok = tokenizer()
+    model = tiny_model(attn="sdpa", vocab=len(tok), eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    with torch.no_grad():
+        model.lm_head.weight[SECOND_EOS] *= scale
+    model.generation_config.eos_token_id = [tok.eos_token_id, SECOND_EOS]
+    model.save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return tok.eos_token_id
+
+
 def twin(model, attn):
     """Same weights, another attention implementation."""
     other = type(model)._from_config(copy.deepcopy(model.config), attn_implementation=attn, dtype=torch.float32)

@@ -9,6 +9,7 @@ from transformers import AutoTokenizer
 
 from llm.alignment.ppo.agent.episode import Task, episode_metrics
 from llm.alignment.ppo.agent.runner import EpisodeRunner
+from llm.alignment.ppo.agent.source import episode_samples
 from llm.settings.environment import EnvironmentConfig
 from llm.utils.errors import UserError
 from llm.utils.gguf import smollm2_dir
@@ -51,11 +52,11 @@ def tasks(tok, *questions):
     return out
 
 
-def run(tok, replies, questions=("q1",), k=1, **env):
+def run(tok, replies, questions=("q1",), k=1, stop_ids=None, **env):
     env.setdefault("max_episode_tokens", 512)
     config = EnvironmentConfig(**env)
     config.check("test")
-    runner = EpisodeRunner(config, tok, max_response_length=64)
+    runner = EpisodeRunner(config, tok, max_response_length=64, stop_ids=stop_ids)
     policy = ScriptedPolicy(tok, replies)
     try:
         return runner.run(policy, tasks(tok, *questions), k, dict(SAMPLING)), policy
@@ -96,6 +97,25 @@ def test_trained_tokens_are_the_sampled_ones_and_the_rendered_messages(tok):
     assert [t["role"] for t in record["turns"]] == ["user", "assistant", "user", "assistant", "user"]
     assert record["turns"][1] == {"role": "assistant", "text": "guess", "reward": 0.1}
     assert record["cut"] is None and record["errors"] == []
+
+
+def test_a_turn_ends_at_any_of_the_runs_stop_ids(tok):
+    """A model whose generation config adds an EOS id (Qwen2.5-Instruct: <|endoftext|> after <|im_end|>): a turn
+    ending with it is a finished turn, not one cut at max_response_length, and the generation is asked to stop
+    there; the sample counts as ended. With the tokenizer's EOS only the first turn was cut."""
+    eos, other = tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")
+    assert other not in (eos, None)
+    first, second = ids(tok, "guess") + [other], ids(tok, "fine") + [other]
+    env = {"name_or_path": "tests.agent_envs:Echo", "kwargs": {"turns": 2}}
+    rollout, policy = run(tok, [[first], [second]], stop_ids=(eos, other), **env)
+    (ep,) = rollout.episodes
+    assert ep.cut is None and ep.model_turns == 2 and ep.turn_rewards == [0.1, 0.2]
+    assert [c[1]["stop_ids"] for c in policy.calls] == [(eos, other)] * 2
+    assert [t["text"] for t in ep.turns if t["role"] == "assistant"] == ["guess", "fine"]
+    assert episode_samples([ep], tok, (eos, other)).ended.tolist() == [True]
+    assert episode_samples([ep], tok, (eos,)).ended.tolist() == [False]
+    (cut,) = run(tok, [[first]], stop_ids=None, **env)[0].episodes  # the tokenizer's EOS only
+    assert cut.cut == "max_response_length" and cut.model_turns == 1
 
 
 def test_groups_generate_together_and_keep_their_order(tok):

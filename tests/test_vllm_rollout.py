@@ -114,6 +114,23 @@ def test_stops_at_eos_keeps_it_and_ignore_eos_runs_to_the_end(engine):
 
 
 @needs_vllm
+def test_stops_at_any_of_the_stop_ids_as_hf_does(engine):
+    """The run's stop ids (the tokenizer's EOS and a generation-config EOS id, tests/test_ppo_stop_ids.py): the
+    engine stops at the other id too, keeps it, and agrees with Hugging Face ``generate`` given the same ids."""
+    eng, model, tok = engine
+    ids = prompt_ids(tok)
+    free = hf_greedy(model, tok, ids, ignore_eos=True)
+    stop = free[0][4]
+    assert stop != tok.eos_token_id
+    stops = (tok.eos_token_id, stop)
+    params = {"num_samples": 1, "max_new_tokens": 12, "do_sample": False, "top_p": 1.0, "top_k": 0}
+    got = eng.generate(ids, stop_ids=stops, **params)
+    assert got[0] == free[0][: free[0].index(stop) + 1]
+    assert got == generation.generate(model, tok, 1.0, ids, **params, stop_ids=stops)
+    assert eng.generate(ids, **params) == hf_greedy(model, tok, ids)  # without: the tokenizer's EOS only
+
+
+@needs_vllm
 def test_sampling_is_seeded_per_response_and_samples_are_consecutive(engine):
     eng, _, tok = engine
     ids = prompt_ids(tok)

@@ -15,7 +15,14 @@ import torch
 import transformers
 from safetensors import SafetensorError
 from torch.utils.checkpoint import checkpoint
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from llm.utils.attention import PACKED_SDPA, RECOMPUTE_CORE_ATTENTION
 from llm.utils.distributed import Layout, distributed_config, place_model
@@ -104,6 +111,55 @@ def load_config(path: str, **overrides) -> PretrainedConfig:
         return AutoConfig.from_pretrained(path, **overrides)
     except (OSError, ValueError) as err:
         raise _not_found("model_name_or_path", path, "config.json", err) from None
+
+
+def generation_eos_ids(path: str) -> list[int]:
+    """The EOS ids of ``model_name_or_path`` ``path``'s generation config, which ``generate`` (and TRL's rollouts)
+    stop on besides the tokenizer's: its ``generation_config.json`` when it has one, else its config's
+    ``eos_token_id`` (a ``.gguf`` file: what its metadata gives), as transformers makes a model's generation config.
+    Reads no weights; [] when unset."""
+    file = os.path.join(path, "generation_config.json")
+    if not is_gguf(path) and (not os.path.isdir(path) or os.path.isfile(file)):
+        try:
+            return eos_id_list(GenerationConfig.from_pretrained(path).eos_token_id)
+        except OSError as err:
+            if os.path.isdir(path):
+                raise UserError(f"{file}: cannot read it ({err}): fix or remove the file") from None
+            # a Hub name without a generation config: its config's, as transformers does
+    return eos_id_list(getattr(load_config(path), "eos_token_id", None))
+
+
+def eos_id_list(value) -> list[int]:
+    """A config's ``eos_token_id`` (an id, a list of ids, or None) as a list."""
+    return [] if value is None else [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, generation_eos: Iterable[int] = ()) -> tuple[int, ...]:
+    """The token ids that end a generated response: the tokenizer's EOS first, then the generation config's EOS
+    ids (``generation_eos_ids``) in their order, each once (TRL's GRPO stops on the same set)."""
+    first = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    return tuple(dict.fromkeys([*first, *generation_eos]))
+
+
+def model_stop_ids(model, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """``stop_token_ids`` of a model already loaded: its ``generation_config``'s EOS ids (what loading it gave);
+    logged when they are more than the tokenizer's EOS."""
+    config = getattr(model, "generation_config", None)
+    stop_ids = stop_token_ids(tokenizer, eos_id_list(getattr(config, "eos_token_id", None)))
+    log_stop_ids(stop_ids, tokenizer, getattr(model, "name_or_path", "") or type(model).__name__)
+    return stop_ids
+
+
+def log_stop_ids(stop_ids: tuple[int, ...], tokenizer: PreTrainedTokenizerBase, source: str) -> None:
+    """One log line naming the stop ids, when the model's generation config adds any to the tokenizer's EOS."""
+    if stop_ids and stop_ids != (tokenizer.eos_token_id,):
+        logger.info(
+            "responses end at any of the token ids %s (%s): the tokenizer's EOS and the eos_token_id of %s's "
+            "generation config",
+            list(stop_ids),
+            ", ".join(repr(t) for t in tokenizer.convert_ids_to_tokens(list(stop_ids))),
+            source,
+        )
 
 
 # set while a run that resumes a checkpoint builds its model (llm/alignment/recipe.py): a config-built model's

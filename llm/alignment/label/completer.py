@@ -27,7 +27,7 @@ class Prefix:
 @dataclass(frozen=True)
 class Completion:
     text: str
-    finished: bool  # ended by the model (EOS); False: cut at max_new_tokens
+    finished: bool  # ended by the model (a stop id: EOS or a generation-config EOS id); False: cut at max_new_tokens
 
 
 class Completer(Protocol):
@@ -61,8 +61,19 @@ class ModelCompleter:
     seed)`` callable) completing prefixes. Calls of more than ``batch_rows`` sequences are split, each part with its
     own seed (``seed`` + part), so the completions depend on the seed and the split only."""
 
-    def __init__(self, generate: Callable[..., Any], tokenizer, sampling: Sampling, chat: bool, separator: str):
+    def __init__(
+        self,
+        generate: Callable[..., Any],
+        tokenizer,
+        sampling: Sampling,
+        chat: bool,
+        separator: str,
+        stop_ids: tuple[int, ...] | None = None,
+    ):
+        """``stop_ids``: the ids that end a completion (``modeling.model_stop_ids``: the tokenizer's EOS and the
+        model's generation-config EOS ids), passed to ``generate``; None: the tokenizer's EOS."""
         self.generate, self.tok, self.s, self.chat, self.separator = generate, tokenizer, sampling, chat, separator
+        self.stop_ids = (tokenizer.eos_token_id,) if stop_ids is None else stop_ids
 
     def prefix_ids(self, prefix: Prefix) -> list[int]:
         ids = render_prompt(prefix.prompt, self.tok, self.chat)
@@ -82,14 +93,15 @@ class ModelCompleter:
                 top_p=self.s.top_p,
                 top_k=self.s.top_k,
                 seed=seed + part,
+                stop_ids=self.stop_ids,
             )
-        eos = self.tok.eos_token_id
-        out = [Completion(self.tok.decode(r, skip_special_tokens=True), bool(r) and r[-1] == eos) for r in responses]
+        stops = self.stop_ids
+        out = [Completion(self.tok.decode(r, skip_special_tokens=True), bool(r) and r[-1] in stops) for r in responses]
         return [out[i * n : (i + 1) * n] for i in range(len(prefixes))]
 
 
 def hf_engine(model, tokenizer, temperature: float) -> Callable[..., Any]:
-    """Hugging Face ``generate`` (PPO's: left-padded prompts, KV cache, responses cut at EOS)."""
+    """Hugging Face ``generate`` (PPO's: left-padded prompts, KV cache, responses cut at the first stop id)."""
     from llm.alignment.ppo.generation import generate
 
     def run(prompt_ids, **kwargs):  # each process has a whole model of its own: no generating in step

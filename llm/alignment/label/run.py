@@ -25,7 +25,7 @@ from llm.settings.label import LabelArguments
 from llm.utils import preemption
 from llm.utils.distributed import barrier
 from llm.utils.errors import UserError
-from llm.utils.modeling import load_model, load_tokenizer
+from llm.utils.modeling import load_model, load_tokenizer, model_stop_ids
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,8 @@ def build_tools(args: LabelArguments, problems: list[ProblemRecord], device: str
                 )
             else:
                 engine = hf_engine(model, tok, args.temperature)
-            completers[path] = ModelCompleter(engine, tok, sampling, chat, args.step_separator)
+            stops = model_stop_ids(model, tok)
+            completers[path] = ModelCompleter(engine, tok, sampling, chat, args.step_separator, stops)
         return completers[path]
 
     needs_policy = any(p.steps is None for p in problems)
@@ -108,7 +109,11 @@ def build_tools(args: LabelArguments, problems: list[ProblemRecord], device: str
         model, tok = _model(args, args.judge_model_name_or_path, device)
         greedy = Sampling(1.0, 1.0, 0, args.judge_max_new_tokens, rows, do_sample=False)
         chat = resolve_chat_template(args.use_chat_template, tok)
-        judge = ModelJudge(ModelCompleter(hf_engine(model, tok, 1.0), tok, greedy, chat, args.step_separator))
+        judge = ModelJudge(
+            ModelCompleter(
+                hf_engine(model, tok, 1.0), tok, greedy, chat, args.step_separator, model_stop_ids(model, tok)
+            )
+        )
     return Tools(complete, policy, Verifier(args.verifier), judge)
 
 

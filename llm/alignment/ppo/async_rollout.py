@@ -209,8 +209,8 @@ class AsyncRollouts:
             produced = self.episodes.produce(self.copy, step)
         else:
             prompts = [ctx.prompts[i] for i in indices]
-            responses, engine = generate(self.copy, ctx.config, [p.ids for p in prompts], step)
-            produced = Produced(make_samples(prompts, responses, ctx.tokenizer), engine, {})
+            responses, engine = generate(self.copy, ctx.config, [p.ids for p in prompts], step, stop_ids=ctx.stop_ids)
+            produced = Produced(make_samples(prompts, responses, ctx.tokenizer, ctx.stop_ids), engine, {})
         old = self.copy.log_probs(produced.samples) if self.need_forward else None
         return Rollout(step, list(indices), version, produced, old, time.perf_counter() - start)
 

@@ -31,7 +31,7 @@ from llm.alignment.ppo.update import PolicyUpdate, ValueUpdate
 from llm.data.readers import load_dataset_records
 from llm.settings.ppo import PPOConfig, shares_actor_base
 from llm.utils.errors import UserError
-from llm.utils.modeling import load_config
+from llm.utils.modeling import load_config, model_stop_ids
 from llm.utils.paths import resolve_paths
 
 logger = logging.getLogger(__name__)
@@ -239,7 +239,8 @@ def build_from_models(
     ``critic`` (trained) a sequence-classification model with one label, ``reward`` an ORM (a
     sequence-classification model read at the last response token) of ``reward_tokenizer`` (default
     ``tok``); the config gives every setting (micro-batch sizes, optimizer, algorithm), not the models.
-    ``ref`` and ``reward`` are put in eval mode. ``ref`` None with a peft ``policy``: the policy's own base
+    ``ref`` and ``reward`` are put in eval mode. Responses end at the tokenizer's EOS or
+    one of ``policy.generation_config``'s EOS ids (``PPOContext.stop_ids``' rule). ``ref`` None with a peft ``policy``: the policy's own base
     with the adapter disabled (lora.py's ``ActorBase``)."""
     a, micro, place = c.actor_rollout, c.micro, Place()
     actor = ActorRole(
@@ -264,6 +265,7 @@ def build_from_models(
         ORMReward(reward.eval(), reward_tokenizer or tok, tok, micro("reward")),
         ref_role,
         CriticRole(critic, tok, micro("critic"), optimizer_for(c, critic, "critic", place), value_update(c)),
+        stop_ids=model_stop_ids(policy, tok),
     )
 
 
@@ -287,6 +289,7 @@ def build_ppo(c: PPOConfig, prompts: list[Prompt], roles: dict, run: PPOContext)
         roles.get("critic"),
         roles.get("rollout"),
         fingerprint=run.fingerprint,
+        stop_ids=run.stop_ids,
     )
     if trainer.rollout_copy is not None and c.actor_rollout.lora_path:
         trainer.rollout_copy.sync_from(trainer.actor)  # the copy loaded the base: send it base + the loaded adapter

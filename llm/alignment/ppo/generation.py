@@ -1,9 +1,11 @@
 """Sampling responses with Hugging Face ``generate``: left-padded prompts on stock SDPA with a KV cache,
-responses cut at EOS, and (optionally) the sampled tokens' log-probs from the generation's own logits."""
+responses cut at the first stop id (the tokenizer's EOS, or the run's ``stop_ids``), and (optionally) the sampled
+tokens' log-probs from the generation's own logits."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -83,6 +85,7 @@ def generate(
     gather_for_generation: bool = True,
     synced: bool | None = None,
     stop: str | None = None,
+    stop_ids: Sequence[int] | None = None,
 ):
     """Responses (with EOS if generated, without padding), ``num_samples`` per prompt, consecutive;
     with ``with_log_probs`` also their tokens' log-probs ``(B, T)`` (right-padded with 0), taken
@@ -94,7 +97,10 @@ def generate(
     process group generate in step (a model sharded over them); None: when there is a group of several
     (``sharded()``); False: every rank holds a model of its own (``llm/run_label.py`` under torchrun).
     ``stop``: a text that also ends a response (transformers' ``stop_strings``: the response ends with the token
-    that completes it, which may run past it; the PRM-guided search cuts there)."""
+    that completes it, which may run past it; the PRM-guided search cuts there). ``stop_ids``: the token ids that
+    end a response (``PPOContext.stop_ids``: the tokenizer's EOS and the model's generation-config EOS ids); None:
+    the tokenizer's EOS only. A response keeps the stop id it ended with."""
+    stops = [t for t in ([tok.eos_token_id] if stop_ids is None else stop_ids) if t is not None]
     synced = sharded() if synced is None else synced
     if seed is not None:
         torch.manual_seed(seed)
@@ -125,7 +131,7 @@ def generate(
             top_p=top_p if do_sample else None,
             top_k=top_k if do_sample else None,
             num_return_sequences=num_samples,
-            eos_token_id=None if ignore_eos else tok.eos_token_id,
+            eos_token_id=None if ignore_eos or not stops else stops,
             pad_token_id=tok.pad_token_id,
             synced_gpus=synced,  # FSDP2 ranks step together until every rank has finished
             **({"stop_strings": [stop], "tokenizer": tok} if stop else {}),
@@ -135,8 +141,8 @@ def generate(
     for row in out[:, width:].tolist():
         if ignore_eos:
             responses.append(row)  # exactly max_new_tokens tokens, EOS included as an ordinary token
-        elif tok.eos_token_id in row:
-            responses.append(row[: row.index(tok.eos_token_id) + 1])
+        elif ends := [t for t, token in enumerate(row) if token in stops]:
+            responses.append(row[: ends[0] + 1])  # the first stop id ends it
         else:
             while row and row[-1] == tok.pad_token_id:
                 row = row[:-1]

@@ -71,11 +71,16 @@ class PromptStream:
             ) from None
 
 
-def make_samples(prompts: list[Prompt], responses: list[list[int]], tok) -> Samples:
-    """Samples from given responses (``len(responses) // len(prompts)`` consecutive per prompt)."""
+def make_samples(
+    prompts: list[Prompt], responses: list[list[int]], tok, stop_ids: tuple[int, ...] | None = None
+) -> Samples:
+    """Samples from given responses (``len(responses) // len(prompts)`` consecutive per prompt); a response
+    ``ended`` when its last token is one of ``stop_ids`` (the run's, ``PPOContext.stop_ids``; None: the
+    tokenizer's EOS)."""
     k = len(responses) // len(prompts)
     expanded = [p for p in prompts for _ in range(k)]
-    ended = torch.tensor([bool(r) and r[-1] == tok.eos_token_id for r in responses])
+    stops = (tok.eos_token_id,) if stop_ids is None else stop_ids
+    ended = torch.tensor([bool(r) and r[-1] in stops for r in responses])
     responses = [r if r else [tok.eos_token_id] for r in responses]  # an empty response still gets a token
     return Samples(
         prompt_ids=[p.ids for p in expanded],

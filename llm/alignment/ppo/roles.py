@@ -70,10 +70,12 @@ class PolicyModel:
         ignore_eos: bool = False,
         seed: int | None = None,
         with_log_probs: bool = False,
+        stop_ids: tuple[int, ...] | None = None,
     ):
         """Responses, ``num_samples`` per prompt (and with ``with_log_probs`` their tokens' log-probs from
         the generation's own logits): ``generation.generate`` with this role's model and temperature, or
-        the role's vLLM ``engine`` when it has one (``rollout_engine: vllm``, vllm_rollout.py)."""
+        the role's vLLM ``engine`` when it has one (``rollout_engine: vllm``, vllm_rollout.py). ``stop_ids``:
+        the ids that end a response (the run's ``PPOContext.stop_ids``; None: the tokenizer's EOS)."""
         sampling = {
             "num_samples": num_samples,
             "max_new_tokens": max_new_tokens,
@@ -83,6 +85,7 @@ class PolicyModel:
             "ignore_eos": ignore_eos,
             "seed": seed,
             "with_log_probs": with_log_probs,
+            "stop_ids": stop_ids,
         }
         if self.engine is not None:
             return self.engine.generate(prompt_ids, **sampling)

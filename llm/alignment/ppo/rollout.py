@@ -100,7 +100,8 @@ class Generator:
 @dataclass(frozen=True)
 class RolloutContext:
     """What the trainer gives a rollout source: the run's config, prompts (``stream`` picks each step's), the
-    actor's tokenizer, the ``generator`` and the trainer's phase 2 (``score``)."""
+    actor's tokenizer, the ``generator``, the trainer's phase 2 (``score``) and the ids that end a response
+    (``stop_ids``: ``PPOContext.stop_ids``, the tokenizer's EOS first), which every generation and ``ended`` use."""
 
     config: PPOConfig
     prompts: list[Prompt]
@@ -108,6 +109,7 @@ class RolloutContext:
     stream: PromptStream
     generator: Generator
     score: Scorer
+    stop_ids: tuple[int, ...]
 
 
 @dataclass
@@ -132,8 +134,9 @@ def wants_generation_log_probs(c: PPOConfig) -> bool:
     return reuses_rollout_log_probs(c) or c.actor_rollout.rollout_is_cap is not None
 
 
-def sampling(c: PPOConfig, step: int, round: int = 0) -> dict:
-    """``generate``'s settings for the rollout of ``step``; its seed depends on the step and the round only."""
+def sampling(c: PPOConfig, step: int, round: int = 0, stop_ids: tuple[int, ...] | None = None) -> dict:
+    """``generate``'s settings for the rollout of ``step``; its seed depends on the step and the round only.
+    ``stop_ids``: the run's (``RolloutContext.stop_ids``; None: the generating role's tokenizer's EOS)."""
     a = c.actor_rollout
     return {
         "num_samples": a.num_samples_per_step,
@@ -143,17 +146,24 @@ def sampling(c: PPOConfig, step: int, round: int = 0) -> dict:
         "top_k": a.top_k,
         "ignore_eos": a.ignore_eos,
         "seed": c.training.seed * 1_000_003 + step + round * ROUND_SEED_STRIDE,
+        "stop_ids": stop_ids,
     }
 
 
 def generate(
-    policy, c: PPOConfig, prompt_ids: list[list[int]], step: int, round: int = 0
+    policy,
+    c: PPOConfig,
+    prompt_ids: list[list[int]],
+    step: int,
+    round: int = 0,
+    stop_ids: tuple[int, ...] | None = None,
 ) -> tuple[list[list[int]], torch.Tensor | None]:
-    """The responses of ``policy`` (``num_samples_per_step`` consecutive per prompt), and with
-    ``rollout_log_probs`` or ``rollout_is_cap`` the log-probs of their tokens that the generating engine
-    computed (None: not asked, or an empty response, which is scored on a stand-in EOS)."""
+    """The responses of ``policy`` (``num_samples_per_step`` consecutive per prompt, each ending at the first of
+    the run's stop ids), and with ``rollout_log_probs`` or ``rollout_is_cap`` the log-probs of their tokens that
+    the generating engine computed (None: not asked, or an empty response, which is scored on a stand-in EOS).
+    ``stop_ids``: the run's (``RolloutContext.stop_ids``)."""
     want = wants_generation_log_probs(c)
-    out = policy.generate(prompt_ids, **sampling(c, step, round), with_log_probs=want)
+    out = policy.generate(prompt_ids, **sampling(c, step, round, stop_ids), with_log_probs=want)
     responses, logprobs = out if want else (out, None)
     if logprobs is not None and not all(responses):
         logprobs = None
@@ -186,8 +196,8 @@ class SingleTurn:
     def collect(self, step: int, round: int = 0) -> RolloutBatch:
         ctx, start = self.context, time.perf_counter()
         prompts = [ctx.prompts[i] for i in ctx.stream.indices(step)]
-        responses, logprobs = generate(ctx.generator, ctx.config, [p.ids for p in prompts], step, round)
-        samples = make_samples(prompts, responses, ctx.tokenizer)
+        responses, logprobs = generate(ctx.generator, ctx.config, [p.ids for p in prompts], step, round, ctx.stop_ids)
+        samples = make_samples(prompts, responses, ctx.tokenizer, ctx.stop_ids)
         return scored_batch(ctx, samples, logprobs, metrics={"time/rollout": time.perf_counter() - start})
 
     def after_update(self, step: int) -> None:

@@ -55,6 +55,7 @@ from llm.settings.fingerprint import Fingerprint, run_fingerprint
 from llm.settings.ppo import PPOConfig
 from llm.utils import preemption
 from llm.utils.errors import UserError
+from llm.utils.modeling import stop_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +76,11 @@ class PPOTrainer:
         critic: Critic | None = None,
         rollout_copy: Policy | None = None,
         fingerprint: Fingerprint | None = None,
+        stop_ids: tuple[int, ...] | None = None,
     ) -> None:
         self.c, self.prompts, self.tokenizer = config, prompts, tokenizer
+        # the ids that end a response (PPOContext.stop_ids); None: the tokenizer's EOS only
+        self.stop_ids = stop_token_ids(tokenizer) if stop_ids is None else stop_ids
         self._run_fingerprint = fingerprint  # the build's (PPOContext); None: the config's, as written, when asked
         self.actor, self.ref, self.critic, self.reward = actor, ref, critic, reward
         self.rollout_copy = rollout_copy
@@ -95,7 +99,7 @@ class PPOTrainer:
         # cycle would keep the trainer and its vLLM engine alive after the run until a garbage collection)
         self.scoring = Scoring(config, actor, reward, ref, critic, self.moments, self.dapo)
         self.context = RolloutContext(
-            config, prompts, tokenizer, self.prompt_stream, self.generator, self.scoring.score
+            config, prompts, tokenizer, self.prompt_stream, self.generator, self.scoring.score, self.stop_ids
         )
         self.source = self.rollout_source(asynchronous=False)  # train() swaps in the async one for its loop
 
@@ -122,7 +126,8 @@ class PPOTrainer:
     def fixed_batch(self, responses: list[list[int]]) -> RolloutBatch:
         """The step's prompts with given (pre-generated) ``responses``, scored: parity checks."""
         start = time.perf_counter()
-        samples = make_samples([self.prompts[i] for i in self.prompt_indices(self.step)], responses, self.tokenizer)
+        prompts = [self.prompts[i] for i in self.prompt_indices(self.step)]
+        samples = make_samples(prompts, responses, self.tokenizer, self.stop_ids)
         return scored_batch(self.context, samples, None, metrics={"time/rollout": time.perf_counter() - start})
 
     # --- phase 2: score (scoring.py) ------------------------------------------------------------

@@ -11,8 +11,9 @@ sync: its KV blocks were computed with the old weights.
 
 The samples contract is the Hugging Face path's (generation.py): ``num_samples`` responses per prompt,
 consecutive; greedy (temperature 0) without ``do_sample``; temperature / top-p / top-k as configured; stop at
-the tokenizer's EOS only (``generation_config: vllm``, so a model's generation config adds no stop tokens and
-no sampling defaults), EOS kept in the response, ``ignore_eos`` for exactly ``max_new_tokens``. Every response
+the run's stop ids (``stop_token_ids``: the tokenizer's EOS and the actor model's generation-config EOS ids, which
+the PPO context derived; ``generation_config: vllm``, so the engine adds no stop tokens and no sampling defaults of
+its own), the stop id kept in the response, ``ignore_eos`` for exactly ``max_new_tokens``. Every response
 is its own request with its own seed (from the step's seed and its index), so a run is reproducible whatever
 vLLM batches together. ``with_log_probs``: the sampled tokens' log-probs as vLLM's sampler computes them
 (``logprobs_mode: processed_logprobs``: after temperature; the config check (``llm.settings.ppo_validation``) requires top-p 1 and top-k 0 for it,
@@ -76,6 +77,11 @@ def kv_cache_bytes(config, max_model_len: int, sequences: int) -> int:
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * 4
     return max(64 << 20, per_token * max_model_len * sequences)
+
+
+def stop_token_list(tokenizer, stop_ids: tuple[int, ...] | None) -> list[int]:
+    """The ids a request stops at: ``stop_ids`` (the run's), else the tokenizer's EOS; none when it has none."""
+    return [t for t in ([tokenizer.eos_token_id] if stop_ids is None else stop_ids) if t is not None]
 
 
 def request_seed(seed: int, index: int) -> int:
@@ -203,12 +209,14 @@ class VLLMRollout:
         seed: int | None = None,
         with_log_probs: bool = False,
         stop: str | None = None,
+        stop_ids: tuple[int, ...] | None = None,
     ):
         """Responses (with EOS if generated), ``num_samples`` per prompt, consecutive; with ``with_log_probs``
         also their tokens' log-probs ``(B, T)``, right-padded with 0. ``stop``: a text that also ends a response
-        (vLLM's stop strings, matched on the detokenised text; the ids returned are every token generated)."""
+        (vLLM's stop strings, matched on the detokenised text; the ids returned are every token generated).
+        ``stop_ids``: the ids that end a response (None: the tokenizer's EOS)."""
         self._awake()
-        eos = self.tokenizer.eos_token_id
+        stops = stop_token_list(self.tokenizer, stop_ids)
         requests, params = [], []
         for p in prompt_ids:
             for _ in range(num_samples):
@@ -222,7 +230,7 @@ class VLLMRollout:
                         top_k=top_k if do_sample else 0,
                         max_tokens=max_new_tokens,
                         ignore_eos=ignore_eos,
-                        stop_token_ids=None if ignore_eos or eos is None else [eos],
+                        stop_token_ids=None if ignore_eos or not stops else stops,
                         seed=None if seed is None else request_seed(seed, k),
                         logprobs=0 if with_log_probs else None,
                         detokenize=stop is not None,  # stop strings are matched on the text
@@ -238,8 +246,9 @@ class VLLMRollout:
         for out in outputs:
             completion = out.outputs[0]
             ids = list(completion.token_ids)
-            if not ignore_eos and eos in ids:  # vLLM stops at EOS and keeps it; cut at the first, as HF does
-                ids = ids[: ids.index(eos) + 1]
+            ends = [] if ignore_eos else [t for t, token in enumerate(ids) if token in stops]
+            if ends:  # vLLM stops at a stop id and keeps it; cut at the first, as HF does
+                ids = ids[: ends[0] + 1]
             responses.append(ids)
             if with_log_probs:
                 steps = completion.logprobs or []

@@ -47,8 +47,12 @@ class StepPolicy:
         max_step_tokens: int,
         max_new_tokens: int,
         batch_size: int,
+        stop_ids: tuple[int, ...] | None = None,
     ) -> None:
+        """``stop_ids``: the ids that end a solution (the tokenizer's EOS and the model's generation-config EOS ids,
+        also bound into ``generate``; None: the tokenizer's EOS)."""
         self.generate, self.tokenizer, self.prompt_ids, self.marker = generate, tokenizer, prompt_ids, marker
+        self.stop_ids = (tokenizer.eos_token_id,) if stop_ids is None else stop_ids
         self.max_step_tokens, self.max_new_tokens, self.batch_size = max_step_tokens, max_new_tokens, batch_size
         self.counts = StepCounts()
 
@@ -84,13 +88,12 @@ class StepPolicy:
 
     def _step(self, ids: list[int], limit: int, room: int, final: bool) -> Step:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        eos = self.tokenizer.eos_token_id
         self.counts.steps += 1
         at = -1 if final else text.find(self.marker)
         if at >= 0:  # the step ends at its marker (the engine may have run past it within the last token)
             text = text[: at + len(self.marker)]
             return Step(text, len(ids) >= room)
-        ended = bool(ids) and ids[-1] == eos
+        ended = bool(ids) and ids[-1] in self.stop_ids
         if not ended and not final and len(ids) >= limit and limit < room:
             self.counts.capped += 1  # max_step_tokens without the marker: a step all the same
         return Step(text, final or ended or len(ids) >= room)

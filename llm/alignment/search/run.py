@@ -33,7 +33,7 @@ from llm.settings.registry import STEP_SCORERS
 from llm.settings.search import SearchConfig
 from llm.utils.checkpoints import write_json_atomic
 from llm.utils.errors import UserError
-from llm.utils.modeling import load_model, load_tokenizer
+from llm.utils.modeling import load_model, load_tokenizer, model_stop_ids
 
 logger = logging.getLogger(__name__)
 RESULTS, METRICS = "search_results.jsonl", "search_metrics.json"
@@ -66,7 +66,8 @@ def build_policy(c: SearchConfig, tok, prompt_ids: list[list[int]]) -> StepPolic
     if torch.cuda.is_available():
         model = model.to("cuda")
     model.eval()
-    sampling = {"do_sample": p.temperature > 0, "top_p": p.top_p, "top_k": 0}
+    stop_ids = model_stop_ids(model, tok)  # the tokenizer's EOS and the model's generation-config EOS ids
+    sampling = {"do_sample": p.temperature > 0, "top_p": p.top_p, "top_k": 0, "stop_ids": stop_ids}
     if p.engine == "vllm":
         from llm.alignment.ppo.vllm_rollout import VLLMRollout
 
@@ -96,6 +97,7 @@ def build_policy(c: SearchConfig, tok, prompt_ids: list[list[int]]) -> StepPolic
         max_step_tokens=p.max_step_tokens,
         max_new_tokens=p.max_new_tokens,
         batch_size=p.batch_size,
+        stop_ids=stop_ids,
     )
 
 

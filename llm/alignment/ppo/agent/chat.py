@@ -8,7 +8,8 @@ user message, or the tool results) and the next generation prompt, found on a st
     extended = render([user, assistant(+calls), *new], gen=True) ...<|im_start|>assistant\\nx<|im_end|>\\n<|im_start|>user\\n...
     new ids  = extended's ids after the prefix's last EOS         \\n<|im_start|>user\\nOBS<|im_end|>\\n<|im_start|>assistant\\n
 
-(the template's glue after EOS, here the newline, belongs to the new ids: TRL's GRPO tool loop does the same). The
+(the template's glue after EOS, here the newline, belongs to the new ids: TRL's GRPO tool loop does the same; a turn
+that ended at another of the run's stop ids, say Qwen2.5's <|endoftext|>, keeps it, and the same new ids follow). The
 template must render a conversation's beginning the same whatever follows (prefix-preserving), and end an assistant
 message with the tokenizer's EOS; both are checked when the run starts.
 

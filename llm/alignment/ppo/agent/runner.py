@@ -7,7 +7,8 @@ batch: its tool calls run (tools.py; in child processes with ``sandbox``), or th
 answers are rendered with the chat template and appended as tokens the policy did not sample (chat.py). An episode
 ends when the environment says done, when the model answers without a tool call and there is no environment, or
 when it is cut: ``max_turns`` model turns, ``max_episode_tokens`` (the turn or the next message would not fit: the
-episode ends at its last model token), or a turn that reached ``max_response_length`` without EOS.
+episode ends at its last model token), or a turn that reached ``max_response_length`` without a stop id (the
+tokenizer's EOS, or another of the run's ``stop_ids``).
 
 An environment fault ends its episode (environments.py) with one log line naming the episode, the turn and the
 cause; ``on_error: stop`` stops the run there, and when more than ``max_error_fraction`` of a batch's episodes
@@ -59,8 +60,13 @@ class EpisodeRunner:
     """``run(policy, tasks, samples_per_task, sampling)`` -> ``Rollout``. Built once per run: imports the
     environment and tools and checks the chat template (``ChatFormat``)."""
 
-    def __init__(self, e: EnvironmentConfig, tokenizer, max_response_length: int) -> None:
+    def __init__(
+        self, e: EnvironmentConfig, tokenizer, max_response_length: int, stop_ids: tuple[int, ...] | None = None
+    ) -> None:
+        """``stop_ids``: the ids that end a model turn (the run's ``RolloutContext.stop_ids``; None: the
+        tokenizer's EOS)."""
         self.e, self.tokenizer, self.max_response_length = e, tokenizer, max_response_length
+        self.stop_ids = (tokenizer.eos_token_id,) if stop_ids is None else stop_ids
         self.envs = (
             Environments(e.name_or_path, e.kwargs, e.step_timeout, e.max_observation_chars) if e.name_or_path else None
         )
@@ -144,6 +150,7 @@ class EpisodeRunner:
         seed = sampling.get("seed")
         settings = {
             **sampling,
+            "stop_ids": self.stop_ids,
             "num_samples": 1,
             "max_new_tokens": min(self.max_response_length, max(rooms)),
             "seed": None if seed is None else seed + 7919 * round_,
@@ -151,12 +158,11 @@ class EpisodeRunner:
         }
         out = policy.generate([ep.prompt_ids + ep.response_ids for ep in live], **settings)
         turns, logprobs = out if with_log_probs else (out, None)
-        eos = self.tokenizer.eos_token_id
         texts = []
         for i, (ep, ids, room) in enumerate(zip(live, turns, rooms)):
             kept = list(ids[:room])
             ep.add_model_turn(kept, None if logprobs is None else logprobs[i, : len(kept)].tolist())
-            ended = bool(kept) and kept[-1] == eos
+            ended = bool(kept) and kept[-1] in self.stop_ids
             body = kept[:-1] if ended else kept
             texts.append(self.tokenizer.decode(body, skip_special_tokens=False))  # for the tool-call parser
             ep.note("assistant", self.tokenizer.decode(body, skip_special_tokens=True))

@@ -39,15 +39,16 @@ def task_of(prompt: Prompt) -> Task:
     return Task(record, messages, prompt.ids)
 
 
-def episode_samples(episodes: list[Episode], tokenizer) -> Samples:
-    eos = tokenizer.eos_token_id
+def episode_samples(episodes: list[Episode], tokenizer, stop_ids: tuple[int, ...]) -> Samples:
+    """The episodes as samples; one ``ended`` when its last token is a model token and one of the run's
+    ``stop_ids`` (``RolloutContext.stop_ids``)."""
     return Samples(
         prompt_ids=[ep.prompt_ids for ep in episodes],
         response_ids=[ep.response_ids for ep in episodes],
         prompts=[tokenizer.decode(ep.prompt_ids, skip_special_tokens=True) for ep in episodes],
         responses=[tokenizer.decode(ep.response_ids, skip_special_tokens=True) for ep in episodes],
         references=[ep.task.record.get("reference") for ep in episodes],
-        ended=torch.tensor([ep.action_mask[-1] == 1 and ep.response_ids[-1] == eos for ep in episodes]),
+        ended=torch.tensor([ep.action_mask[-1] == 1 and ep.response_ids[-1] in stop_ids for ep in episodes]),
         action_mask=[ep.action_mask for ep in episodes],
         turn_ends=[ep.turn_ends for ep in episodes],
         turn_rewards=[ep.turn_rewards for ep in episodes],
@@ -72,7 +73,9 @@ class MultiTurn:
     def __init__(self, context: RolloutContext) -> None:
         c = context.config
         self.context, self.e = context, c.environment
-        self.runner = EpisodeRunner(c.environment, context.tokenizer, c.actor_rollout.max_response_length)
+        self.runner = EpisodeRunner(
+            c.environment, context.tokenizer, c.actor_rollout.max_response_length, context.stop_ids
+        )
         self.grouped = ADV_ESTIMATORS[c.algorithm.adv_estimator].grouped
 
     def collect(self, step: int, round: int = 0) -> RolloutBatch:
@@ -88,7 +91,7 @@ class MultiTurn:
         start = time.perf_counter()
         tasks = [task_of(ctx.prompts[i]) for i in ctx.stream.indices(step)]
         k, want = c.actor_rollout.num_samples_per_step, wants_generation_log_probs(c)
-        rollout = self.runner.run(generator, tasks, k, sampling(c, step, round), with_log_probs=want)
+        rollout = self.runner.run(generator, tasks, k, sampling(c, step, round, ctx.stop_ids), with_log_probs=want)
         kept = kept_episodes(rollout.episodes, self.e.on_error, k, self.grouped)
         if not kept:
             raise UserError(
@@ -98,7 +101,7 @@ class MultiTurn:
         zeroed = [i for i, ep in enumerate(kept) if ep.failed]
         for i in zeroed:  # on_error zero: the episode's reward is 0
             kept[i].turn_rewards = [0.0] * len(kept[i].turn_rewards)
-        samples = episode_samples(kept, ctx.tokenizer)
+        samples = episode_samples(kept, ctx.tokenizer, ctx.stop_ids)
         logprobs = None
         if want:
             T = max(len(ep.logprobs) for ep in kept)
