@@ -16,8 +16,9 @@ model FLOP utilisation, MFU; issue 30 item 1).
    Per trainer: SFT trains the decoder and the LM head on every token (6 x (P_layers + P_head)); an ORM the decoder
    and a one-row score head (6 x P_layers); a PRM the decoder, with the LM head only at the step placeholders
    (6 x P_layers; the readout is a few rows); DPO the policy on both responses (6 x (P_layers + P_head)) plus the
-   frozen reference's forward (2 x (P_layers + P_head)) unless its log-probs were precomputed. The context is the
-   mean example length the result file records, else ``--context``.
+   frozen reference's forward (2 x (P_layers + P_head)) unless its log-probs were precomputed. A LoRA side's frozen
+   base has no weight gradients: 4P instead of 6P. The context is the mean example length the result file records,
+   else ``--context``.
 
 MFU = achieved / peak at the same dtype and thread count. The result files are read, not re-run: their date,
 command and threads are printed with every figure (re-measure them with the commands in bench/README.md).
@@ -30,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -111,15 +111,18 @@ def measure_peak(threads: int, dtypes: list[str], tokens: int, repeats: int) -> 
     return out
 
 
-def flops_per_token(task: str, m: dict, context: float) -> float:
+def flops_per_token(task: str, m: dict, context: float, lora: bool = False) -> float:
+    """Training FLOPs per token (module docstring). ``lora``: the frozen base computes no weight gradients, so its
+    backward is the input gradients only (2P, not 4P); the rank-r adapters' own products are left out (< 1%)."""
     layers, head = layer_weights(m), head_weights(m)
     attention = 2 * m["layers"] * context * m["hidden"]  # forward, causal
+    train = 4 if lora else 6
     if task == "sft":
-        return 6 * (layers + head) + 3 * attention
+        return train * (layers + head) + 3 * attention
     if task == "dpo":
-        return 6 * (layers + head) + 3 * attention + 2 * (layers + head) + attention
+        return train * (layers + head) + 3 * attention + 2 * (layers + head) + attention
     if task in ("orm", "prm"):
-        return 6 * layers + 3 * attention
+        return train * layers + 3 * attention
     raise ValueError(task)
 
 
@@ -134,10 +137,10 @@ def trainer_rows(paths: list[str], peaks: dict, default_context: float) -> list[
             context = default_context
             if data.get("our_examples_per_row") and data.get("max_seq_len"):
                 context = data["max_seq_len"] / data["our_examples_per_row"]
-            per_token = flops_per_token(task, SMOLLM2, context)
             for side, figures in sides.items():
                 if not isinstance(figures, dict) or "tokens_per_second" not in figures or side.startswith("ratio"):
                     continue
+                per_token = flops_per_token(task, SMOLLM2, context, lora="lora" in side)
                 achieved = figures["tokens_per_second"] * per_token
                 peak = peaks.get(threads, {}).get("fp32", {}).get("peak_flops")
                 rows.append(
@@ -190,9 +193,7 @@ def main(argv=None) -> None:
         write_report(
             args.out,
             {
-                **environment(),
-                "command": "python " + " ".join(sys.argv),
-                "platform": platform.platform(),
+                **environment("bench/bench_mfu.py", sys.argv[1:] if argv is None else argv, args),
                 "bf16_in_cpu": has_bf16(),
                 "peaks": peak_rows,
                 "peak_shapes": {str(t): v for t, v in peaks.items()},
@@ -201,7 +202,21 @@ def main(argv=None) -> None:
                     side: statistics.median(r["mfu_fp32"] for r in rows if r["side"] == side and r["mfu_fp32"])
                     for side in {r["side"] for r in rows if r["mfu_fp32"]}
                 },
-                "table_markdown": markdown_table(rows),
+                "table_markdown": markdown_table(
+                    "trainer | side | threads | tokens/s | GFLOP/token | GFLOP/s | MFU (fp32 peak)",
+                    [
+                        [
+                            r["task"],
+                            r["side"],
+                            r["threads"],
+                            f"{r['tokens_per_second']:.1f}",
+                            f"{r['gflop_per_token']:.3f}",
+                            f"{r['achieved_gflops']:.1f}",
+                            "n/a" if r["mfu_fp32"] is None else f"{100 * r['mfu_fp32']:.1f}%",
+                        ]
+                        for r in rows
+                    ],
+                ),
             },
         )
 
