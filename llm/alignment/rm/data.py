@@ -94,10 +94,10 @@ def build_reward_data(
     prm_kind: str = "discriminative",
 ) -> PackedData:
     """Read, validate, tokenise and pack one split (``split``: "train" or "eval"; ``lazy``: a stream packed on the
-        fly; ``max_records``: the first ones only). An ORM reads its splits as ``orm_eval`` records (pairs and best-of-N
-        candidates): the dev split may hold both, and in the training split (in memory) a candidate is then refused by
-        name (``check_orm_training_records``: an ORM trains on pairs) rather than as a malformed pair; a streamed
-        training split is read as pairs. A generative PRM (``prm_kind``) reads PRM records with their critiques
+    fly; ``max_records``: the first ones only). An ORM reads its splits as ``orm_eval`` records (pairs and best-of-N
+    candidates): the dev split may hold both, and in the training split (in memory) a candidate is then refused by
+    name (``check_orm_training_records``: an ORM trains on pairs) rather than as a malformed pair; a streamed
+    training split is read as pairs. A generative PRM (``prm_kind``) reads PRM records with their critiques
     (``encode_genprm``)."""
     tokens = model_args.label_tokens
     if process_reward and prm_kind == "generative":  # critiques and verdicts (llm.data.encode_genprm)
