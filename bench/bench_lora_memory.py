@@ -8,7 +8,7 @@ few overrides, ``lora: true`` + ``lora_rank`` the only difference between the si
         --out bench/results/lora_memory_llama44m.json                   # the 44M case of issue 30
     python bench/bench_lora_memory.py --model llama44m --tasks sft --batch 4 --sides full,lora,full_recompute,lora_no_recompute
 
-Models: ``smollm2`` (``models/SmolLM2-135M-Instruct``, the configs of ``llm/config/smollm2``, pretrained weights);
+Models: ``smollm2`` (SmolLM2-135M-Instruct via ``llm.utils.gguf.smollm2_dir()``, the configs of ``llm/config/smollm2``, pretrained weights);
 ``llama44m`` (the tiny configs of ``llm/config/tiny`` with a seeded random Llama of hidden 640 x 9 layers,
 intermediate 1728, 8 heads, vocab 648: 45.4M parameters, 44.6M of them in the decoder layers; the tiny tokenizer).
 
@@ -59,6 +59,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per run (GRPO: PPO steps)")
     p.add_argument("--batch", type=int, default=None, help="flat: per_device_train_batch_size (default the config's)")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument(
+        "--train_records",
+        type=int,
+        default=64,
+        help="flat: train on the first N records of the config's training file (DPO precomputes the reference "
+        "log-probs of every pair before its first step: 16 minutes for all 800 on one shared core; a step's peak "
+        "does not depend on it); 0: the whole file",
+    )
     p.add_argument("--out", default=None, help="write the report as JSON here")
     args = p.parse_args(argv)
     args.tasks = [t for t in args.tasks.split(",") if t]
@@ -71,10 +79,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def model_dir(args, workdir: str) -> str | None:
-    """``llama44m``: a config directory of the 44M Llama (the tiny configs build it from its config, seeded)."""
-    if args.model != "llama44m":
-        return None
+def model_dir(args, workdir: str) -> str:
+    """``smollm2``: the converted SmolLM2 (``llm.utils.gguf.smollm2_dir``); ``llama44m``: a config directory of the
+    44M Llama (the tiny configs build it from its config, seeded)."""
+    if args.model == "smollm2":
+        from llm.utils.gguf import smollm2_dir
+
+        return smollm2_dir()
     with open(os.path.join(ROOT, "llm/assets/tiny-llama/config.json"), encoding="utf-8") as f:
         config = json.load(f)
     config.update(LLAMA44M)
@@ -85,12 +96,24 @@ def model_dir(args, workdir: str) -> str | None:
     return path
 
 
-def command(args, task: str, side: str, out: str, model: str | None) -> list[str]:
+def subset(args, task: str, workdir: str) -> str:
+    """The first ``--train_records`` lines of ``task``'s training file, written once under ``workdir``."""
+    with open(os.path.join(ROOT, CONFIGS[args.model][task]), encoding="utf-8") as f:
+        source = os.path.join(ROOT, json.load(f)["train_dataset_path"])
+    path = os.path.join(workdir, f"{task}_train_{args.train_records}.jsonl")
+    if not os.path.exists(path):
+        with open(source, encoding="utf-8") as f, open(path, "w", encoding="utf-8") as out:
+            out.writelines(line for _, line in zip(range(args.train_records), f))
+    return path
+
+
+def command(args, task: str, side: str, out: str, model: str) -> list[str]:
     lora, recompute = side.startswith("lora"), {"full_recompute": "true", "lora_no_recompute": "false"}.get(side)
     cmd = [sys.executable, os.path.join(ROOT, SCRIPTS[task]), os.path.join(ROOT, CONFIGS[args.model][task])]
     if task == "grpo":
         cmd += ["--training.max_steps", str(args.steps), "--training.save_steps", "0", "--training.output_dir", out]
         cmd += ["--training.report_to", "none", "--training.disable_tqdm", "true"]
+        cmd += ["--actor_rollout.model_name_or_path", model]
         if lora:
             cmd += ["--actor_rollout.lora", "true", "--actor_rollout.lora_rank", str(args.rank)]
         if recompute:
@@ -100,8 +123,9 @@ def command(args, task: str, side: str, out: str, model: str | None) -> list[str
     cmd += ["--report_to", "none", "--logging_steps", "1", "--disable_tqdm", "true"]
     if args.batch is not None:
         cmd += ["--per_device_train_batch_size", str(args.batch)]
-    if model is not None:
-        cmd += ["--model_name_or_path", model]
+    cmd += ["--model_name_or_path", model]
+    if args.train_records:
+        cmd += ["--train_dataset_path", subset(args, task, os.path.dirname(out))]
     if lora:
         cmd += ["--lora", "true", "--lora_rank", str(args.rank)]
     if recompute:

@@ -15,8 +15,10 @@ from peft.tuners.lora.layer import Linear as PeftLinear
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from llm.alignment.context import RunContext
 from llm.alignment.lm import token_log_probs
 from llm.alignment.ppo.build import Place, build_actor, build_critic
+from llm.alignment.ppo.context import PPOContext
 from llm.alignment.sft.build import build_sft_trainer
 from llm.data.packing import causal_example, collate, pack
 from llm.settings.flat import ARGUMENT_TYPES, ModelArgument, validate_arguments
@@ -195,10 +197,11 @@ def test_recompute_defaults_to_on_with_lora_and_hands_the_free_heap_back(tmp_pat
     assert args.recompute is on and bool(args.activation_checkpointing) is on
     noted = any("activation checkpointing on" in note for note in args.config_notes)
     assert noted is (on and "recompute" not in overrides)  # the default says so in the log; an explicit value not
-    trainer, _, _ = build_sft_trainer(model_args, data_args, args)
+    trainer, _, _ = build_sft_trainer(RunContext.load(model_args, data_args, args))
     layers = [m for m in trainer.model.modules() if isinstance(m, GradientCheckpointingLayer)]
     assert len(layers) == 4  # the tiny-llama config's decoder layers
-    assert all(bool(layer._forward_hooks) is on for layer in layers)
+    released = on or bool(model_args.lora)  # with lora the free heap goes back, checkpointed or not
+    assert all(bool(layer._forward_hooks) is released for layer in layers)
 
 
 def test_the_free_heap_goes_back_at_each_layer_boundary_of_a_training_step(monkeypatch):
@@ -216,6 +219,9 @@ def test_the_free_heap_goes_back_at_each_layer_boundary_of_a_training_step(monke
     with torch.no_grad():  # a frozen forward in training mode (PPO's old log-probs)
         token_log_probs(model, model.get_output_embeddings(), b)
     assert len(calls) == 2 * LAYERS  # evaluation and frozen forwards: left alone
+    assert memory.release_between_layers(model) == LAYERS  # asked again: no second hook
+    step(model, b)
+    assert len(calls) == 4 * LAYERS
 
 
 @pytest.mark.parametrize(
@@ -227,7 +233,10 @@ def test_a_ppo_lora_role_is_checkpointed_unless_told_otherwise(tmp_path, setting
     demo = os.path.join(ROOT, "llm", "config", "tiny", "ppo_lora_argument.json")
     c = parse_ppo_config([ppo_config_file(tmp_path, demo, "ppo", {"training": training, "critic": {"lora": False}})])
     assert c.training.gradient_checkpointing is setting  # the config keeps what was given
-    for model, on in ((build_actor(c, Place()).model, actor_on), (build_critic(c, Place()).model, critic_on)):
+    run = PPOContext.load(c)
+    actor, critic = build_actor(c, Place(), run).model, build_critic(c, Place(), run).model
+    for model, on, released in ((actor, actor_on, True), (critic, critic_on, critic_on)):
         assert model.is_gradient_checkpointing is on
         layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-        assert layers and all(bool(layer._forward_hooks) is on for layer in layers)  # and the free heap goes back
+        # the free heap goes back in the LoRA actor always, in the full critic with checkpointing
+        assert layers and all(len(layer._forward_hooks) == int(released) for layer in layers)

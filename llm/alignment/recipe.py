@@ -8,8 +8,8 @@ arguments):
 
 1. the recipe's checks (``check``: the task's own; ``validate_arguments`` made the shared ones, LoRA's included);
 2. the recipe's changes to the tokenizer (a PRM's added placeholder);
-3. the model (``load_model``), then LoRA adapters when ``lora`` is set; with ``recompute`` (on by default with
-   LoRA) glibc's freed heap is handed back between decoder layers (``llm.utils.memory``);
+3. the model (``load_model``), then LoRA adapters when ``lora`` is set; with ``lora`` or ``recompute`` (on by
+   default with LoRA) glibc's freed heap is handed back between decoder layers (``llm.utils.memory``);
 4. the objects built from the model (``model_objects``: DPO's reference);
 5. the training and dev splits (``llm.data.prepare.train_and_dev`` over ``read_split``, told which split it reads),
    their checks and the objects built from them (``data_objects``: a reward model's dev records);
@@ -115,7 +115,7 @@ def build_trainer(recipe: Recipe) -> tuple[AlignmentTrainer, PackedData | None, 
         RESUMING.reset(token)
     if model_args.lora:
         model = apply_lora(model, model_args, recipe.lora_task, recipe.lora_head_rows())
-    if training_args.recompute:  # checkpointing's saving, kept: glibc's freed heap goes back between layers
+    if training_args.recompute or model_args.lora:  # glibc's freed heap goes back between layers (memory.py)
         release_between_layers(model)
     objects = recipe.model_objects(model, tokenizer)
     train, dev = train_and_dev(data_args, training_args, recipe.read_split)

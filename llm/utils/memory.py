@@ -70,13 +70,15 @@ def _before_backward(grad: torch.Tensor) -> None:
 
 def release_between_layers(model: torch.nn.Module, role: str = "model") -> int:
     """Hand glibc's free heap back at every decoder layer boundary of ``model``'s training steps (module docstring);
-    returns the number of decoder layers hooked (0 where glibc's ``malloc_trim`` is missing, or no layers)."""
+    returns the number of decoder layers hooked (0 where glibc's ``malloc_trim`` is missing, or no layers). A
+    second call on the same model adds nothing."""
     if _malloc_trim() is None:
         logger.info("%s: no glibc malloc_trim here; freed memory stays with the allocator", role)
         return 0
     layers = _decoder_layers(model)
     for layer in layers:
-        layer.register_forward_hook(_after_layer)
+        if _after_layer not in layer._forward_hooks.values():  # once per layer, however often asked
+            layer.register_forward_hook(_after_layer)
     if layers:
         logger.info(
             "%s: freed heap memory goes back to the system at each of its %d decoder layers' boundaries in training",

@@ -39,13 +39,14 @@ TASKS = {"actor_rollout": "causal_lm", "critic": "seq_cls"}
 def with_lora(c: PPOConfig, role: str, model):
     """``model`` with the adapters of ``role``'s section (peft), or as it is without ``lora``. A LoRA role is
     activation-checkpointed unless ``training.gradient_checkpointing`` says otherwise (LoRA's memory default: with
-    no gradients or optimizer state of the base, a LoRA update's peak is mostly activations)."""
+    no gradients or optimizer state of the base, a LoRA update's peak is mostly activations), and hands glibc's
+    freed heap back between its decoder layers either way (``llm.utils.memory``)."""
     section = getattr(c, role)
     if not section.lora:
         return model
+    release_between_layers(model, role)
     if c.training.gradient_checkpointing is None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        release_between_layers(model, role)
         logger.info(
             "%s: activation checkpointing on (the LoRA default; training.gradient_checkpointing false turns it off)",
             role,
