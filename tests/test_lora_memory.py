@@ -7,6 +7,7 @@ layers, ``llm.utils.memory``) is on by default with lora (``recompute`` unset; P
 
 import copy
 import json
+import logging
 import os
 
 import pytest
@@ -227,14 +228,17 @@ def test_the_free_heap_goes_back_at_each_layer_boundary_of_a_training_step(monke
 @pytest.mark.parametrize(
     "setting, actor_on, critic_on", [(None, True, False), (False, False, False), (True, True, True)]
 )
-def test_a_ppo_lora_role_is_checkpointed_unless_told_otherwise(tmp_path, setting, actor_on, critic_on):
+def test_a_ppo_lora_role_is_checkpointed_unless_told_otherwise(tmp_path, caplog, setting, actor_on, critic_on):
     """``training.gradient_checkpointing`` unset: on for the LoRA actor, off for the fully trained critic."""
     training = {} if setting is None else {"gradient_checkpointing": setting}
     demo = os.path.join(ROOT, "llm", "config", "tiny", "ppo_lora_argument.json")
     c = parse_ppo_config([ppo_config_file(tmp_path, demo, "ppo", {"training": training, "critic": {"lora": False}})])
     assert c.training.gradient_checkpointing is setting  # the config keeps what was given
     run = PPOContext.load(c)
-    actor, critic = build_actor(c, Place(), run).model, build_critic(c, Place(), run).model
+    with caplog.at_level(logging.INFO):
+        actor, critic = build_actor(c, Place(), run).model, build_critic(c, Place(), run).model
+    said = [r.getMessage() for r in caplog.records if "activation checkpointing on (the LoRA default" in r.getMessage()]
+    assert len(said) == (setting is None) and all(m.startswith("actor_rollout: ") for m in said)  # the default, said
     for model, on, released in ((actor, actor_on, True), (critic, critic_on, critic_on)):
         assert model.is_gradient_checkpointing is on
         layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
