@@ -8,7 +8,8 @@ arguments):
 
 1. the recipe's checks (``check``: the task's own; ``validate_arguments`` made the shared ones, LoRA's included);
 2. the recipe's changes to the tokenizer (a PRM's added placeholder);
-3. the model (``load_model``), then LoRA adapters when ``lora`` is set;
+3. the model (``load_model``), then LoRA adapters when ``lora`` is set; with ``lora`` or ``recompute`` (on by
+   default with LoRA) glibc's freed heap is handed back between decoder layers (``llm.utils.memory``);
 4. the objects built from the model (``model_objects``: DPO's reference);
 5. the training and dev splits (``llm.data.prepare.train_and_dev`` over ``read_split``, told which split it reads),
    their checks and the objects built from them (``data_objects``: a reward model's dev records);
@@ -32,6 +33,7 @@ from llm.data.prepare import PackedData, Split, plan_summary, train_and_dev
 from llm.settings.flat import recompute_mode
 from llm.utils.attention import kernel_for
 from llm.utils.lora import apply_lora, quantization_config
+from llm.utils.memory import release_between_layers
 from llm.utils.modeling import RESUMING, count_parameters
 from llm.utils.preemption import SaveOnSignal
 
@@ -113,6 +115,8 @@ def build_trainer(recipe: Recipe) -> tuple[AlignmentTrainer, PackedData | None, 
         RESUMING.reset(token)
     if model_args.lora:
         model = apply_lora(model, model_args, recipe.lora_task, recipe.lora_head_rows())
+    if training_args.recompute or model_args.lora:  # glibc's freed heap goes back between layers (memory.py)
+        release_between_layers(model)
     objects = recipe.model_objects(model, tokenizer)
     train, dev = train_and_dev(data_args, training_args, recipe.read_split)
     objects.update(recipe.data_objects(train, dev))

@@ -180,7 +180,13 @@ class TrainingArguments(OptimizerFields, transformers.TrainingArguments):
         default="",
         metadata={"help": "stage1 | stage2 | stage3 [offload]: FSDP2 sharding of optimizer state/grads/params."},
     )
-    recompute: bool = field(default=False, metadata={"help": "Activation checkpointing."})
+    recompute: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Activation checkpointing; null (the default): on with lora (LoRA's memory default: a LoRA step "
+            "then holds one layer's activations, not every layer's), off without."
+        },
+    )
     unified_checkpoint: bool = field(
         default=True,
         metadata={
@@ -252,6 +258,8 @@ def validate_arguments(model_args: ModelArgument, data_args: DataArgument, train
         raise UserError(
             f"recompute_granularity must be full, full_attn or core_attn, got {model_args.recompute_granularity!r}"
         )
+    if training_args.recompute is None:
+        lora_default(model_args, training_args)
     if training_args.recompute and model_args.recompute_granularity != "full":
         # finer than a whole layer: applied to the attention blocks at load time (llm.utils.modeling)
         training_args.activation_checkpointing = False
@@ -320,6 +328,20 @@ def validate_arguments(model_args: ModelArgument, data_args: DataArgument, train
         # accelerate would read a streamed data set on rank 0 only and broadcast whole collated batches, which must
         # be plain tensors; instead every rank reads the (deterministic) stream and keeps its share of the rows
         training_args.accelerator_config.dispatch_batches = False
+
+
+def lora_default(model_args: ModelArgument, training_args: TrainingArguments) -> None:
+    """``recompute`` left unset: on with LoRA (a line in the log says so), off without. LoRA drops the gradients
+    and optimizer state of the base, so what is left of a step's peak is mostly activations (bench/README.md,
+    "LoRA memory")."""
+    training_args.recompute = bool(model_args.lora)
+    if training_args.recompute:
+        training_args.activation_checkpointing = True
+        training_args.activation_checkpointing_kwargs = {"use_reentrant": False}
+        training_args.config_notes.append(
+            "lora: activation checkpointing on (recompute, the LoRA default: the step keeps one decoder layer's "
+            "activations at a time, at about a third more compute); recompute false turns it off"
+        )
 
 
 def recompute_mode(model_args: ModelArgument, training_args: TrainingArguments) -> str | None:

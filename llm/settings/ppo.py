@@ -55,11 +55,12 @@ class TrainingSection(OptimizerFields):
         "(tokens, vocab) block alive (1024 x 151,936 x 4 bytes = 622 MB); the numbers do not depend on it",
         low=1,
     )
-    gradient_checkpointing: bool = field(
-        default=False,
+    gradient_checkpointing: bool | None = field(
+        default=None,
         metadata={
             "help": "activation checkpointing of actor and critic in their update forwards (transformers' "
-            "non-reentrant checkpointing): activations are recomputed in backward instead of stored"
+            "non-reentrant checkpointing): activations are recomputed in backward instead of stored; null (the "
+            "default): on for a role with lora (LoRA's memory default), off for the others"
         },
     )
     adam_offload: bool = field(

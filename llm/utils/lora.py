@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import os
 
@@ -243,10 +244,63 @@ def apply_lora(model, model_args, task: str, head_rows: list[int] | None = None)
             trainable_token_indices=token_rows,
         )
         model = get_peft_model(model, config)
+    in_place = add_updates_in_place(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    logger.info("LoRA: %d of %d parameters trainable (%.3f%%)", trainable, total, 100.0 * trainable / max(total, 1))
+    logger.info(
+        "LoRA: %d of %d parameters trainable (%.3f%%); %d adapted layers add their update in place",
+        trainable,
+        total,
+        100.0 * trainable / max(total, 1),
+        in_place,
+    )
     return model
+
+
+@functools.cache
+def _in_place_linear() -> type:
+    """peft's LoRA ``Linear`` whose forward adds the adapter's update into the base layer's output in place.
+
+    peft computes ``result = result + lora_B(lora_A(x)) * scaling``: three temporaries of the layer's output
+    size per adapted layer and step, freed at once, between the small ``lora_A`` output that autograd keeps.
+    glibc's heap cannot reuse the holes they leave (each is split by the next small kept tensor), so the
+    process grows: with peft's forward a LoRA step peaked above full fine-tuning of the same model (bench/README.md,
+    "LoRA memory"). Here the update is one temporary, scaled and added in place: the same operations in the same
+    order (bit-identical outputs and gradients), no copy of the output. The base output may be changed in place
+    because nothing saves it: a frozen ``torch.nn.Linear`` keeps its input's gradient path only (its weight),
+    and only such base layers get this class. Anything else (adapters disabled or merged, peft's variants such
+    as DoRA, mixed-adapter batches) goes to peft's own forward."""
+    from peft.tuners.lora.layer import Linear
+
+    class InPlaceLoraLinear(Linear):
+        def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            if args or kwargs or self.disable_adapters or self.merged or self.lora_variant:
+                return super().forward(x, *args, **kwargs)
+            result = self.base_layer(x)
+            for name in self.active_adapters:
+                if name not in self.lora_A:
+                    continue
+                lora_A, lora_B = self.lora_A[name], self.lora_B[name]
+                update = lora_B(lora_A(self.lora_dropout[name](self._cast_input_dtype(x, lora_A.weight.dtype))))
+                result.add_(update.mul_(self.scaling[name]))
+            return result
+
+    return InPlaceLoraLinear
+
+
+def add_updates_in_place(model: torch.nn.Module) -> int:
+    """Give every adapted plain ``torch.nn.Linear`` of the peft ``model`` the in-place forward (``_in_place_linear``);
+    returns how many. The modules keep their state (a change of class only): saving, merging and
+    ``disable_adapter`` are peft's."""
+    from peft.tuners.lora.layer import Linear
+
+    in_place = _in_place_linear()
+    count = 0
+    for module in model.modules():
+        if type(module) is Linear and type(module.base_layer) is torch.nn.Linear:
+            module.__class__ = in_place
+            count += 1
+    return count
 
 
 @contextlib.contextmanager

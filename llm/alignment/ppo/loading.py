@@ -15,6 +15,7 @@ from llm.alignment.ppo.offload import OffloadedTrainableRole, offload_when_idle
 from llm.alignment.ppo.optim import TrainableRole
 from llm.utils.distributed import Layout
 from llm.utils.errors import UserError
+from llm.utils.memory import release_between_layers
 from llm.utils.modeling import load_model
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ def load(
     ).to(place.device)
     if trained and c.training.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        release_between_layers(model, "trained model")  # glibc's freed heap back between layers (llm.utils.memory)
     if trained and place.layout is not None:
         sum_gradients(model)
     return model if trained else model.eval().requires_grad_(False)

@@ -18,23 +18,40 @@ bases, with the flat trainers' fields and checks (``llm.utils.lora``) in their s
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from llm.alignment.ppo.roles import PolicyModel
 from llm.utils.errors import UserError
 from llm.utils.lora import apply_lora, reference_model
+from llm.utils.memory import release_between_layers
 
 if TYPE_CHECKING:
     from llm.alignment.ppo.interfaces import Samples
     from llm.settings.ppo import PPOConfig
 
+# the builders' log (llm.alignment.ppo.loading: tests read what the memory savers did under this name)
+logger = logging.getLogger("llm.alignment.ppo.build")
+
 TASKS = {"actor_rollout": "causal_lm", "critic": "seq_cls"}
 
 
 def with_lora(c: PPOConfig, role: str, model):
-    """``model`` with the adapters of ``role``'s section (peft), or as it is without ``lora``."""
+    """``model`` with the adapters of ``role``'s section (peft), or as it is without ``lora``. A LoRA role is
+    activation-checkpointed unless ``training.gradient_checkpointing`` says otherwise (LoRA's memory default: with
+    no gradients or optimizer state of the base, a LoRA update's peak is mostly activations), and hands glibc's
+    freed heap back between its decoder layers either way (``llm.utils.memory``)."""
     section = getattr(c, role)
-    return apply_lora(model, section, TASKS[role]) if section.lora else model
+    if not section.lora:
+        return model
+    release_between_layers(model, role)
+    if c.training.gradient_checkpointing is None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        logger.info(
+            "%s: activation checkpointing on (the LoRA default; training.gradient_checkpointing false turns it off)",
+            role,
+        )
+    return apply_lora(model, section, TASKS[role])
 
 
 class ActorBase(PolicyModel):
