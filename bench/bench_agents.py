@@ -360,7 +360,7 @@ def progress(a, log: list, points: list) -> None:
 def run_ours(a) -> dict:
     import torch
 
-    from llm.alignment.ppo.build import build_ppo, load_prompts, placed_roles
+    from llm.alignment.ppo.build import PPOContext, build_ppo, load_prompts, placed_roles
     from llm.settings.load import parse_ppo_config
 
     torch.set_num_threads(a.threads)
@@ -370,8 +370,9 @@ def run_ours(a) -> dict:
     c = parse_ppo_config([path])
     budget = Budget(a.minutes, a.evals, a.max_steps)
     log: list[dict] = []
-    with placed_roles(c) as roles:
-        trainer = build_ppo(c, load_prompts(c), roles)
+    run = PPOContext.load(c)  # the tokenizers and what they decide, once (as run_ppo.py)
+    with placed_roles(c, run) as roles:
+        trainer = build_ppo(c, load_prompts(c, run), roles, run)
         step = 0
         while not budget.done(step):
             t = time.perf_counter()
