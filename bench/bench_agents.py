@@ -799,7 +799,7 @@ def plot(report: dict, path: str) -> str | None:
     tasks = [t for t in TASKS if t in report.get("tasks", {}) and "error" not in report["tasks"][t]]
     if not tasks:
         return None
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5.4 * len(tasks), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(max(7.0, 5.4 * len(tasks)), 4.2), squeeze=False)
     for ax, name in zip(axes[0], tasks):
         r = report["tasks"][name]
         for side, style in (("ours", "o-"), ("trl", "s--")):
@@ -940,6 +940,7 @@ def main() -> None:
             traceback.print_exc()
             r = {"error": f"{type(e).__name__}: {e}"}
         r.update(
+            environment=report["environment"],  # each task's own run (a report gathers tasks of several runs)
             task_wall_s=time.perf_counter() - t,
             quick=a.quick,
             finished=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
