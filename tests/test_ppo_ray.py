@@ -341,3 +341,46 @@ def test_episodes_on_ray_equal_episodes_in_one_process(ray_cluster, tmp_path, mo
         for key in ("score", "kl", "policy_loss", "value_loss", "response_length", "entropy"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
     assert local[1]["kl"] != 0  # the policy moved: step 2's equality says the copy took the update
+
+
+def test_two_reward_models_in_one_ray_role_equal_one_process(ray_cluster, tmp_path):
+    """A reward list of two models (an ORM and a dense PRM, weighted) runs in the one Ray reward role: the same
+    steps, weighted rewards and per-reward metrics as in one process (issue 27 item 1 with Ray placement)."""
+    path = config(tmp_path, algorithm={"kl_penalty": "kl", "kl_loss_coef": 0.1})
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+    prm = {
+        "type": "prm",
+        "name": "prm",
+        "model_name_or_path": os.path.join(ROOT, "llm", "assets", "tiny-prm"),
+        "tokenizer_name_or_path": ORM_REWARD["tokenizer_name_or_path"],
+        "init_from_config": True,
+        "prm_aggregation": "dense",
+        "weight": 2.0,
+    }
+    raw["reward"] = [{**ORM_REWARD, "name": "orm", "weight": 0.5}, prm]
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(raw, f)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each Ray worker: the same reduction order
+    try:
+        with two_steps(path) as local:
+            local_steps = local["steps"]
+    finally:
+        torch.set_num_threads(threads)
+    flags = ["--resource_pool.use_ray", "true", "--resource_pool.weight_sync_timeout", "60"]
+    for role in ("actor_rollout", "ref", "critic", "reward", "rollout"):
+        flags += [f"--resource_pool.{role}", "0.4"]
+    with two_steps(path, *flags) as remote:
+        assert len(remote["roles"]["reward"].pids) == 1  # both models in the one reward actor
+        remote_steps = remote["steps"]
+    for a, b in zip(local_steps, remote_steps):
+        assert_same_step(a, b)
+        for name in ("orm", "prm"):
+            assert f"reward/{name}/mean" in a["metrics"], sorted(a["metrics"])
+        scored, other = a["exp"].scored, b["exp"].scored
+        assert scored.dense is not None and bool((scored.dense != 0).any())  # the PRM's step rewards
+        torch.testing.assert_close(scored.dense, other.dense, rtol=1e-5, atol=1e-6)
+        for name in ("orm", "prm"):
+            torch.testing.assert_close(scored.components[name], other.components[name], rtol=1e-5, atol=1e-6)
+    assert local_steps[0]["metrics"]["reward/orm/mean"] != local_steps[0]["metrics"]["reward/prm/mean"]
