@@ -50,9 +50,7 @@ def test_prime_advantages_by_hand():
     process = torch.tensor([[0.2, 0.4, 0.0], [0.3, -0.3, 0.6], [0.9, 0.0, 0.0]] + [[0.0] * 3] * 3)
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
     got = prime_advantages(scores, process, mask, 3, outcome_coef=2.0, process_coef=1.0)
-    expected = torch.tensor(
-        [[1.5, 1.9, 0.0], [-2.2, -1.95, -0.8], [-0.35, 0.0, 0.0], [0.0] * 3, [0.0] * 3, [0.0] * 3]
-    )
+    expected = torch.tensor([[1.5, 1.9, 0.0], [-2.2, -1.95, -0.8], [-0.35, 0.0, 0.0], [0.0] * 3, [0.0] * 3, [0.0] * 3])
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
     # the coefficients weight each part alone
     only_outcome = prime_advantages(scores, process, mask, 3, outcome_coef=1.0, process_coef=0.0)
