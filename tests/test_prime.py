@@ -87,7 +87,8 @@ def test_the_update_moves_the_implicit_reward_toward_the_outcome(label):
     p, s = prm("after"), rollouts()
     start = implicit_rewards(p, s)
     assert torch.allclose(start, torch.zeros(4), atol=1e-6)  # the PRM starts as its reference: r = 0
-    for _ in range(3):
+    assert p.step(s, torch.full((4,), label), [list(range(4))])[1]["prime/accuracy"] == 0.0  # r = 0: no sign yet
+    for _ in range(2):
         p.step(s, torch.full((4,), label), [list(range(4))])
     after = implicit_rewards(p, s)
     assert bool((after > 0.05).all()) if label else bool((after < -0.05).all()), after

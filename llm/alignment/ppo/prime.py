@@ -12,8 +12,8 @@ token (``whole``), divided by the batch's largest ``|sum_{s >= t} r_s|`` with ``
 with the updated PRM; ``after`` scores with the PRM as it was, then updates; ``none`` never updates.
 
 ``step`` returns the process rewards and the metrics (the trainer logs them): ``prime/accuracy`` (the share of
-responses whose implicit reward's sign, before this step's update, agrees with the outcome: > 0 for an outcome
-> 0.5; verl's ``dpo_acc_abs``), ``prime/implicit_reward`` (its mean, before the update), ``prime/loss`` (the update's
+responses whose implicit reward's sign, before this step's update, is the sign of ``2 o - 1``: > 0 for a correct
+one, < 0 for a wrong one, so a PRM still equal to its reference, r = 0, scores 0; verl's ``dpo_acc_abs``), ``prime/implicit_reward`` (its mean, before the update), ``prime/loss`` (the update's
 mean loss), ``prime/process_reward`` (the process rewards' mean sum per response). The advantages:
 ``algorithm.prime_advantages``. Checkpoints: the PRM's weights with its optimizer and LR schedule
 (``checkpoint-N/prime``, as the actor's); the final save adds ``implicit_prm.json``, so the trained PRM is a
@@ -94,7 +94,7 @@ class PrimePRM(PolicyModel):
         q = self.log_ratios(samples, ref)
         implicit = s.beta * q.sum(1)
         metrics = {
-            "prime/accuracy": ((implicit > 0) == (outcomes > 0.5)).float().mean().item(),
+            "prime/accuracy": (torch.sign(implicit) == torch.sign(2 * outcomes - 1)).float().mean().item(),
             "prime/implicit_reward": implicit.mean().item(),
         }
         if s.update != "none":
