@@ -120,6 +120,27 @@ def test_update_before_scores_with_the_updated_prm_and_after_with_the_old_one():
     assert results["after"][3]["prime/accuracy"] == 1.0
 
 
+def test_whole_granularity_and_batch_norm():
+    """``whole``: each response's summed reward at its last token; ``batch_norm``: the largest |return| becomes 1."""
+    s, outcomes, order = rollouts(), torch.tensor([1.0, 1.0, 0.0, 0.0]), [[0, 1, 2, 3]]
+    token, whole = prm("after"), prm("after")
+    whole.settings = PrimeSection(update="after", beta=0.5, norm="none", granularity="whole")
+    token.step(s, outcomes, order)
+    whole.step(s, outcomes, order)
+    per_token, _ = token.step(s, outcomes, order)
+    summed, _ = whole.step(s, outcomes, order)
+    lengths = [len(r) for r in s.response_ids]
+    for i, n in enumerate(lengths):
+        assert summed[i, n - 1].item() == pytest.approx(per_token[i].sum().item(), abs=1e-6)
+        assert not summed[i, : n - 1].any()
+    token.settings = PrimeSection(update="none", beta=0.5, norm="batch_norm")
+    raw = 0.5 * token.log_ratios(s, token.reference.log_probs(s))  # the PRM now, which a frozen step reads
+    normed, _ = token.step(s, outcomes, order)
+    assert normed.flip(-1).cumsum(-1).flip(-1).abs().max().item() == pytest.approx(1.0, abs=1e-4)
+    largest = raw.flip(-1).cumsum(-1).flip(-1).abs().max()
+    torch.testing.assert_close(normed, raw / (largest + 1e-6), atol=1e-6, rtol=0)
+
+
 def test_outcomes_outside_0_1_are_refused():
     with pytest.raises(UserError, match=r"prime: the verifier .* answered .*\[0, 1\]"):
         prm("after").step(rollouts(), torch.tensor([1.0, 2.0, 0.0, 0.0]), [[0, 1, 2, 3]])
