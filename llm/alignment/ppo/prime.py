@@ -34,7 +34,7 @@ from llm.alignment.ppo.objectives import Counts
 from llm.alignment.ppo.optim import TrainableRole
 from llm.alignment.ppo.roles import PolicyModel
 from llm.alignment.ppo.update import run_update
-from llm.alignment.rm.implicit import save_implicit_prm
+from llm.alignment.rm.scorers import implicit  # every step scorer, in the registry's order (docs_tables)
 from llm.settings.prime import PrimeSection
 from llm.utils.errors import UserError
 
@@ -119,7 +119,7 @@ class PrimePRM(PolicyModel):
         if not with_optimizer and first_rank():
             path = None if self.reference_from_config else os.path.abspath(self.reference_path)
             args = SimpleNamespace(implicit_beta=self.settings.beta, implicit_loss="ce")
-            save_implicit_prm(directory, self.reference.model, path, args)
+            implicit.save_implicit_prm(directory, self.reference.model, path, args)
 
     def load(self, directory: str) -> None:
         self.optim.load(directory)
