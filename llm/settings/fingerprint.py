@@ -134,6 +134,7 @@ _PPO_EXCLUDED = {
     "reward.timeout",
     "reward.name",  # a metric's name
     "resource_pool.*",
+    "prime.micro_batch_size",
 }
 
 # PPO fields added after checkpoints of FINGERPRINT_VERSION 1 were written, each with the value that does what the

@@ -160,6 +160,9 @@ def resolve_input_paths(c: PPOConfig, path: str) -> None:
         for name in ("model_name_or_path", "tokenizer_name_or_path"):
             if getattr(section, name):
                 setattr(section, name, _input_path(getattr(section, name), f"{role}.{name}", path))
+    for name in ("model_name_or_path", "ref_model_name_or_path") if c.prime is not None else ():
+        if getattr(c.prime, name):
+            setattr(c.prime, name, _input_path(getattr(c.prime, name), f"prime.{name}", path))
     if c.data.train_dataset_path:  # required when the prompts are read (load_prompts), not to parse
         found = resolve_paths(c.data.train_dataset_path, "data.train_dataset_path", path, required=False)
         c.data.train_dataset_path = ",".join(os.path.abspath(p) if os.path.exists(p) else p for p in found.split(","))

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llm.settings.environment import EnvironmentConfig
+from llm.settings.prime import PrimeSection
 from llm.settings.registry import ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
 from llm.settings.shared import LoraFields, OptimizerFields, check_reward_url, reward_token_pair, with_default
 from llm.utils.errors import UserError
@@ -411,7 +412,7 @@ SECTIONS: dict[str, type] = {
     "resource_pool": ResourcePool,
 }
 # sections that are None unless the file or the command line gives them
-OPTIONAL_SECTIONS: dict[str, type] = {"environment": EnvironmentConfig}
+OPTIONAL_SECTIONS: dict[str, type] = {"environment": EnvironmentConfig, "prime": PrimeSection}
 
 
 @dataclass
@@ -425,6 +426,7 @@ class PPOConfig:
     data: DataSection
     resource_pool: ResourcePool
     environment: EnvironmentConfig | None = None  # multi-turn episodes (llm.settings.environment); None: single-turn
+    prime: PrimeSection | None = None  # PRIME's online implicit PRM (llm.settings.prime); None: none
     # ``reward`` given as a list: its entries after the first (``reward`` is the first); llm.settings.reward_list
     extra_rewards: tuple[RewardSection, ...] = ()
     source: str = ""  # the config file, for messages

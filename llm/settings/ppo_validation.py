@@ -16,6 +16,7 @@ from llm.settings.ppo import (
     ResourcePool,
     shares_actor_base,
 )
+from llm.settings.prime_validation import validate_prime
 from llm.settings.registry import (
     ADV_ESTIMATORS,
     KL_CONTROLLERS,
@@ -111,6 +112,7 @@ def validate_ppo_config(c: PPOConfig, path: str) -> None:
     validate_dapo(c, path)
     validate_async(c, path)
     validate_environment(c, path)
+    validate_prime(c, path)
 
 
 ROLLOUT_ENGINES = ("hf", "vllm")

@@ -325,6 +325,44 @@ register_adv_estimator(
 )
 
 
+# --- PRIME (Cui et al. 2025): outcome and process rewards, each leave-one-out, summed --------------------------
+def leave_one_out(rewards: torch.Tensor, mask: torch.Tensor, group_size: int) -> torch.Tensor:
+    """verl's ``masked_rloo`` (recipe/prime/prime_core_algos.py): each sample's baseline value is the mean of its
+    masked rewards ``m_j``; every masked reward of sample i in a group of n becomes ``r * n / (n - 1) - sum_j m_j /
+    (n - 1)``, i.e. ``r - mean_{j != i} m_j + (r - m_i) / (n - 1)``. With one masked token per sample (an outcome)
+    that is RLOO: ``o_i - mean_{j != i} o_j``. 0 off the mask."""
+    if group_size < 2:
+        raise ValueError("leave-one-out needs num_samples_per_step >= 2")
+    n = group_size
+    means = masked_sum(rewards, mask, 1) / mask.sum(1).clamp_min(1)
+    total = means.view(-1, n).sum(1).repeat_interleave(n)
+    return (rewards * n / (n - 1) - total[:, None] / (n - 1)) * mask
+
+
+def prime_advantages(
+    scores: torch.Tensor,
+    process: torch.Tensor,
+    mask: torch.Tensor,
+    group_size: int,
+    outcome_coef: float,
+    process_coef: float,
+) -> torch.Tensor:
+    """PRIME's returns (verl's ``compute_rloo_advantage_return``): the outcome ``scores`` ``(B,)`` at each response's
+    last token and the process rewards ``(B, T)`` at theirs, each through ``leave_one_out`` (the outcome's mask: the
+    last token alone; the process rewards': every response token), weighted by ``outcome_coef`` /
+    ``process_coef`` and summed, then summed from each token to the end: ``A_t = sum_{s >= t} r_s``. The trainer
+    whitens them (``algorithm.whiten_advantages``, as verl does)."""
+    last = torch.zeros_like(mask)
+    last[torch.arange(len(mask)), last_tokens(mask)] = 1.0
+    last = last * mask
+    total = torch.zeros_like(mask)
+    if outcome_coef:
+        total = total + outcome_coef * leave_one_out(scores[:, None] * last, last, group_size)
+    if process_coef:
+        total = total + process_coef * leave_one_out(process, mask, group_size)
+    return (total * mask).flip(-1).cumsum(-1).flip(-1) * mask
+
+
 # --- losses (the policy objectives: objectives.py) ---------------------------------------------------
 def truncated_is_weights(
     logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, cap: float

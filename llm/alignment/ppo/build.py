@@ -161,7 +161,35 @@ def build_critic(c: PPOConfig, place: Place, run: PPOContext) -> CriticRole:
     return CriticRole(model, tok, c.micro("critic"), optimizer_for(c, model, "critic", place), value_update(c))
 
 
+def build_prime(c: PPOConfig, place: Place, run: PPOContext):
+    """PRIME's implicit PRM (``prime``: prime.py): trained from ``prime.model_name_or_path``, else the actor's model;
+    its frozen reference ``prime.ref_model_name_or_path``, else the same initial weights."""
+    from llm.alignment.ppo.prime import PrimePRM
+
+    p, a, tok = c.prime, c.actor_rollout, run.tokenizer
+    path, from_config = (p.model_name_or_path, p.init_from_config) if p.model_name_or_path else (
+        a.model_name_or_path, a.init_from_config)  # fmt: skip
+    ref_path = p.ref_model_name_or_path or path
+    ref_from_config = from_config and ref_path == path
+    for name, other in (("prime.model_name_or_path", path), ("prime.ref_model_name_or_path", ref_path)):
+        if (
+            other != a.model_name_or_path
+            and load_config(other).vocab_size != load_config(a.model_name_or_path).vocab_size
+        ):
+            raise UserError(
+                f"{name} {other}: another vocabulary than the actor's; the implicit PRM reads its token ids"
+            )
+    model = load(c, AutoModelForCausalLM, path, from_config, tok, place, True)
+    ref = PolicyModel(
+        load(c, AutoModelForCausalLM, ref_path, ref_from_config, tok, place, False), tok, 1.0, c.micro("prime")
+    )
+    optim = optimizer_for(c, model, "prime", place)
+    prm = PrimePRM(model, tok, c.micro("prime"), optim, chunked_by(c, ref), p, ref_path, ref_from_config)
+    return chunked_by(c, prm)
+
+
 BUILDERS = {
+    "prime": build_prime,
     "actor_rollout": build_actor,
     "ref": build_ref,
     "critic": build_critic,
@@ -177,6 +205,8 @@ def role_names(c: PPOConfig) -> list[str]:
         names.append("critic")
     if c.resource_pool.rollout > 0:
         names.append("rollout")
+    if c.prime is not None:
+        names.append("prime")
     return names
 
 
@@ -290,6 +320,7 @@ def build_ppo(c: PPOConfig, prompts: list[Prompt], roles: dict, run: PPOContext)
         roles.get("rollout"),
         fingerprint=run.fingerprint,
         stop_ids=run.stop_ids,
+        prime=roles.get("prime"),
     )
     if trainer.rollout_copy is not None and c.actor_rollout.lora_path:
         trainer.rollout_copy.sync_from(trainer.actor)  # the copy loaded the base: send it base + the loaded adapter

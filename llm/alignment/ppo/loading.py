@@ -103,7 +103,7 @@ def optimizer_for(c: PPOConfig, model, role: str, place: Place) -> TrainableRole
         c.optim(role, "max_grad_norm"),
         c.optim(role, "lr_warmup_steps"),
     )
-    optim.lora_merge = getattr(c, role).lora_merge
+    optim.lora_merge = getattr(getattr(c, role), "lora_merge", False)  # the PRIME PRM has no LoRA
     return optim
 
 

@@ -28,6 +28,7 @@ from llm.alignment.ppo.algorithm import (
     RunningMoments,
     masked_mean,
     masked_whiten,
+    prime_advantages,
     token_rewards,
     truncated_is_weights,
 )
@@ -77,6 +78,7 @@ class PPOTrainer:
         rollout_copy: Policy | None = None,
         fingerprint: Fingerprint | None = None,
         stop_ids: tuple[int, ...] | None = None,
+        prime=None,
     ) -> None:
         self.c, self.prompts, self.tokenizer = config, prompts, tokenizer
         # the ids that end a response (PPOContext.stop_ids); None: the tokenizer's EOS only
@@ -84,6 +86,7 @@ class PPOTrainer:
         self._run_fingerprint = fingerprint  # the build's (PPOContext); None: the config's, as written, when asked
         self.actor, self.ref, self.critic, self.reward = actor, ref, critic, reward
         self.rollout_copy = rollout_copy
+        self.prime = prime  # PRIME's online implicit PRM (prime.py), with a ``prime`` section
         self.last_checkpoint: str | None = None
         self.kl_ctl = KL_CONTROLLERS[config.algorithm.kl_ctrl.type](config.algorithm.kl_ctrl)
         self.moments = RunningMoments()
@@ -150,14 +153,20 @@ class PPOTrainer:
         }
 
     # --- phase 3: advantages -----------------------------------------------------------------
-    def advantages(self, s: Scored) -> Experience:
+    def advantages(self, s: Scored, process: torch.Tensor | None = None) -> Experience:
+        """``process``: PRIME's process rewards (``prime`` section), turned into advantages apart from the outcome."""
         alg = self.c.algorithm
         mask = s.mask
         kl_coef = self.kl_ctl.value if alg.use_kl_in_reward else 0.0
         rewards = token_rewards(s.kl, s.scores, mask, kl_coef, s.dense, s.env_rewards)
         estimator = ADV_ESTIMATORS[alg.adv_estimator]
         group, std = self.c.actor_rollout.num_samples_per_step, alg.norm_adv_by_std_in_grpo
-        adv, returns = estimator.estimate(rewards, s.values, mask, alg.gamma, alg.lam, group, norm_by_std=std)
+        if process is not None:
+            p = self.c.prime
+            adv = returns = prime_advantages(s.scores, process, mask, group, p.outcome_coef, p.process_coef)
+            rewards = rewards + process * mask
+        else:
+            adv, returns = estimator.estimate(rewards, s.values, mask, alg.gamma, alg.lam, group, norm_by_std=std)
         if alg.whiten_advantages:
             adv = masked_whiten(adv, mask)
         return Experience(s, rewards, adv * mask, returns)
@@ -205,8 +214,12 @@ class PPOTrainer:
         batch = self.source.collect(self.step) if responses is None else self.fixed_batch(responses)
         scored = batch.scored
         correction = self.correct(scored, batch.behaviour_logprobs)
+        process, prime_metrics = None, {}
+        if self.prime is not None:  # PRIME: the implicit PRM's update and process rewards (prime.py)
+            orders = self._orders(len(scored.samples), self.c.prime.update_epochs, True, 2)
+            process, prime_metrics = self.prime.step(scored.samples, scored.raw_scores, orders)
         t2 = time.perf_counter()
-        exp = self.advantages(scored)
+        exp = self.advantages(scored, process)
         t3 = time.perf_counter()
         stats = self.update(exp) if batch.update else {}
         t_sync = time.perf_counter()
@@ -232,6 +245,7 @@ class PPOTrainer:
             "advantage_mean": masked_mean(exp.advantages, mask).item(),
             **stats,
             **correction,
+            **prime_metrics,
             **self.dapo.metrics(scored),
             **batch.metrics,
             "time/weight_sync": t4 - t_sync,
@@ -348,6 +362,8 @@ class PPOTrainer:
         self.actor.save(os.path.join(directory, "actor"), with_optimizer)
         if self.critic is not None:
             self.critic.save(os.path.join(directory, "critic"), with_optimizer)
+        if self.prime is not None:
+            self.prime.save(os.path.join(directory, "prime"), with_optimizer)
 
     def save_checkpoint(self) -> str:
         """``checkpoint-N/``: actor and critic in Hugging Face format with their optimizer state (JSON +
@@ -390,7 +406,9 @@ class PPOTrainer:
         return self._run_fingerprint
 
     def _checkpoint_parts(self) -> list[str]:
-        return ["actor"] + (["critic"] if self.critic is not None else [])
+        return (
+            ["actor"] + (["critic"] if self.critic is not None else []) + (["prime"] if self.prime is not None else [])
+        )
 
     def _prune(self) -> None:
         """``save_total_limit``: the newest complete checkpoints of this run are kept; incomplete ones and
@@ -448,6 +466,8 @@ class PPOTrainer:
         self.actor.load(os.path.join(directory, "actor"))
         if self.critic is not None:
             self.critic.load(os.path.join(directory, "critic"))
+        if self.prime is not None:
+            self.prime.load(os.path.join(directory, "prime"))
         self.generator.sync()
         self.step = step
         self.kl_ctl.value = kl_coef
