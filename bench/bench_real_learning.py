@@ -220,15 +220,10 @@ class Budget:
         return False
 
 
-def run_grpo_ours(a) -> dict:
-    import torch
-
-    from llm.alignment.ppo.build import ppo_trainer
-    from llm.settings.load import parse_ppo_config
-
-    torch.set_num_threads(a.threads)
+def ours_grpo_config(a) -> dict:
+    """Our GRPO side's PPO config (a dict, as a JSON argument file holds it); ``bench_prime.py`` builds on it."""
     batch = a.prompts * a.group
-    cfg = {
+    return {
         "training": {
             "output_dir": os.path.join(a.workdir, "ours_run"),
             "seed": a.seed,
@@ -270,7 +265,23 @@ def run_grpo_ours(a) -> dict:
             "use_chat_template": True,
         },
     }
-    path = os.path.join(a.workdir, "ours_grpo.json")
+
+
+def run_grpo_ours(a) -> dict:
+    return train_on_budget(a, ours_grpo_config(a), "ours")
+
+
+def train_on_budget(a, cfg: dict, side: str, keys: tuple[str, ...] = ()) -> dict:
+    """Steps of our PPO trainer on ``cfg`` (written to ``a.workdir/{side}_grpo.json``) for ``a.minutes`` of
+    training wall time (``Budget``), the policy saved to ``a.workdir/{side}_step{N}`` when a checkpoint is due;
+    ``keys``: more of the step's metrics to log (e.g. ``prime/accuracy``). Returns {"log", "points"}."""
+    import torch
+
+    from llm.alignment.ppo.build import ppo_trainer
+    from llm.settings.load import parse_ppo_config
+
+    torch.set_num_threads(a.threads)
+    path = os.path.join(a.workdir, f"{side}_grpo.json")
     with open(path, "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=1)
     c = parse_ppo_config([path])
@@ -291,17 +302,19 @@ def run_grpo_ours(a) -> dict:
                     "kl": m["kl"],
                     "response_length": m["response_length"],
                     "step_s": m["time/step"],
+                    **{k: m[k] for k in keys if k in m},
                 }
             )
+            more = "".join(f" {k} {m[k]:.4f}" for k in keys if k in m)
             print(
-                f"[ours] step {step} wall {budget.train_s:.0f}s reward {m['score']:.3f} kl {m['kl']:.4f} "
-                f"len {m['response_length']:.1f} step {m['time/step']:.1f}s",
+                f"[{side}] step {step} wall {budget.train_s:.0f}s reward {m['score']:.3f} kl {m['kl']:.4f} "
+                f"len {m['response_length']:.1f} step {m['time/step']:.1f}s{more}",
                 flush=True,
             )
             if budget.due(step):
-                d = os.path.join(a.workdir, f"ours_step{step}")
+                d = os.path.join(a.workdir, f"{side}_step{step}")
                 trainer.actor.save(d, False)
-                budget.points.append({"side": "ours", "step": step, "wall_s": budget.train_s, "path": d})
+                budget.points.append({"side": side, "step": step, "wall_s": budget.train_s, "path": d})
                 write_progress(a, log, budget.points)
     return {"log": log, "points": budget.points}
 
