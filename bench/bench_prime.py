@@ -22,7 +22,7 @@ Usage (from the repository root)::
 
     OMP_NUM_THREADS=1 python bench/bench_prime.py --quick --model tiny   # the pipeline, a random tiny Llama
     OMP_NUM_THREADS=1 python bench/bench_prime.py --quick                # 2 steps a side on SmolLM2-135M
-    OMP_NUM_THREADS=1 python bench/bench_prime.py --minutes 30 --evals 5 # the measurement (about 1.5 h)
+    OMP_NUM_THREADS=1 python bench/bench_prime.py --minutes 30 --evals 5 # the measurement (about 50 min)
 
 Writes ``--out`` (default bench/results/prime_smollm2.json; ``--quick``: output/prime_<model>_quick.json) and a
 PNG beside it: held-out accuracy against training wall minutes, both sides, and the training reward with the
