@@ -185,6 +185,25 @@ def label(a, method: str, problems_path: str, model: str) -> dict:
             "records": read_jsonl(os.path.join(out_dir, "labels.jsonl"))}  # fmt: skip
 
 
+def reused_labels(a, method: str) -> dict:
+    """The labels of an earlier run of this script in the same ``--workdir`` (same seed and sizes), with the wall
+    time and load its report (``--reuse-labels``) recorded: only the PRMs are trained and evaluated again."""
+    with open(a.reuse_labels, encoding="utf-8") as f:
+        before = json.load(f)
+    out_dir = os.path.join(a.workdir, f"labels_{method}")
+    with open(os.path.join(out_dir, "report.json"), encoding="utf-8") as f:
+        rep = json.load(f)
+    if rep != before["label_reports"][method]:
+        raise SystemExit(f"{out_dir}/report.json is not the one of {a.reuse_labels}: label again (no --reuse-labels)")
+    timed = before["labelling"]["omegaprm" if method == "omegaprm" else "hard"]
+    config = before["environment"]["settings"]
+    for name in ("problems", "completions", "p_correct", "seed", "temperature", "new_tokens"):
+        if config[name] != getattr(a, name):
+            raise SystemExit(f"--{name.replace('_', '-')} differs from {a.reuse_labels}'s: {config[name]}")
+    return {"report": rep, "wall_s": timed["wall_s"], "load_before": timed["load_before"],
+            "load_after": timed["load_after"], "records": read_jsonl(os.path.join(out_dir, "labels.jsonl"))}  # fmt: skip
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Agreement with the truth
 # --------------------------------------------------------------------------------------------------------------
@@ -311,6 +330,8 @@ def train_prm(a, name: str, train_path: str, base: str) -> dict:
 def evaluate_prm(a, name: str, model: str, bench_path: str) -> dict:
     out = os.path.join(a.workdir, f"pb_{name}")
     flags = prm_flags(a, model, out) | {"do_train": "false", "do_eval": "true", "dev_dataset_path": bench_path}
+    if a.tune_subset:  # also F1 at the threshold that maximises it on that subset (of this same set: optimistic)
+        flags["prm_threshold_subset"] = a.tune_subset
     seconds = run(a, "run_reward.py", os.path.join(ROOT, PRM_CONFIG), out + ".log", flags)
     with open(os.path.join(out, "eval_results.json"), encoding="utf-8") as f:
         results = json.load(f)
@@ -346,6 +367,13 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=20261204)
     p.add_argument("--workdir", default=os.path.join(ROOT, "output", "prm_labels"))
     p.add_argument("--keep-weights", action="store_true")
+    p.add_argument(
+        "--tune-subset", help="also report F1 at the threshold best on this subset of the set (short / long)"
+    )
+    p.add_argument(
+        "--reuse-labels", metavar="REPORT", help="an earlier report of this script with the same --workdir and "
+        "label settings: reuse its labels (and their wall time), train and evaluate the PRMs only",
+    )  # fmt: skip
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "prm_labels_smollm2.json"))
     a = p.parse_args()
     if a.quick:
@@ -388,7 +416,11 @@ def main() -> None:
     print(json.dumps(report["data"], indent=1), flush=True)
 
     # --- labelling: one Math-Shepherd run (hard and soft), one OmegaPRM run
-    runs = {m: label(a, m, problems_path, model) for m in ("math_shepherd", "omegaprm")}
+    if a.reuse_labels:
+        runs = {m: reused_labels(a, m) for m in ("math_shepherd", "omegaprm")}
+        report["labels_reused_from"] = os.path.relpath(a.reuse_labels, ROOT)
+    else:
+        runs = {m: label(a, m, problems_path, model) for m in ("math_shepherd", "omegaprm")}
     for m, r in runs.items():
         print(f"{m}: {r['wall_s']:.0f} s, report {json.dumps(r['report'])}", flush=True)
     ms, om = runs["math_shepherd"]["records"], runs["omegaprm"]["records"]
