@@ -388,11 +388,18 @@ def plot(report: dict, out: str) -> None:
     curves = report.get("search", {}).get("curves")
     if curves:
         fig, ax = plt.subplots(figsize=(7.5, 4.5))
-        styles = {"pass": ":", "majority_vote": "--"}
+        styles = {"pass": ":", "majority_vote": "--", "weighted_vote": "-."}
+        markers = iter("osD^vx*")
+        top = 0.0
         for method, c in curves.items():
             ns = sorted(int(n) for n in c)
-            ax.plot(ns, [c[n] if n in c else c[str(n)] for n in ns], styles.get(method, "-"), marker="o", label=method)
+            ys = [c[n] if n in c else c[str(n)] for n in ns]
+            top = max(top, *ys)
+            ax.plot(ns, ys, styles.get(method, "-"), marker=next(markers, "o"), alpha=0.8, label=method)
         ax.set_xscale("log", base=2)
+        ticks = sorted({int(n) for c in curves.values() for n in c})
+        ax.set_xticks(ticks, [str(n) for n in ticks])
+        ax.set_ylim(-0.02, max(0.3, 1.15 * top))
         ax.set_xlabel("N (generations per step; best-of-N: solutions)")
         ax.set_ylabel("accuracy (held-out problems)")
         s = report["search"]
