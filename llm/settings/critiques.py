@@ -8,8 +8,9 @@ and ``--field value`` overrides; ``validate_critique_arguments`` adds the checks
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
+from llm.settings.fields import help_field as _f
 from llm.settings.shared import reward_token_pair
 from llm.utils.errors import UserError
 from llm.utils.paths import resolve_paths
@@ -20,13 +21,6 @@ DEFAULT_JUDGE_PROMPT = (
     "Problem: {problem}\nSolution so far:\n{previous}\nNext step: {step}\n"
     "This step is {verdict}. In one sentence, say why.\nReason:"
 )
-
-
-def _f(default: Any, text: str, low: float | None = None) -> Any:
-    metadata: dict[str, Any] = {"help": text}
-    if low is not None:
-        metadata["min"] = low
-    return field(default=default, metadata=metadata)
 
 
 @dataclass

@@ -14,19 +14,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from llm.settings.fields import help_field as _f
 from llm.utils.errors import UserError
 
 ON_ERROR = ("zero", "drop", "stop")
 AUTO_FORMAT = "auto"  # tool_call_format: the format the chat template renders tool calls in
 
 _SPEC = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*")
-
-
-def _f(default: Any, text: str, low: float | None = None) -> Any:
-    metadata: dict[str, Any] = {"help": text}
-    if low is not None:
-        metadata["min"] = low
-    return field(default=default, metadata=metadata)
 
 
 def check_spec(spec: str, field_name: str, what: str, path: str) -> None:

@@ -223,6 +223,17 @@ def check_bounds(name: str, value: Any, bounds: Mapping[str, float], where: str)
         raise UserError(f"{where} must be {what}, got {value}")
 
 
+def help_field(default: Any, text: str | None = None, low: float | None = None) -> Any:
+    """A dataclass field with its help text and lower bound (read back by ``field_bounds``): the one helper the
+    settings schemas declare their fields with."""
+    metadata: dict[str, Any] = {}
+    if text:
+        metadata["help"] = text
+    if low is not None:
+        metadata["min"] = low
+    return dataclasses.field(default=default, metadata=metadata)
+
+
 def field_bounds(cls: type) -> dict[str, float]:
     """Lower bounds declared as ``metadata={"min": ...}`` on the fields of ``cls``."""
     return {f.name: f.metadata["min"] for f in dataclasses.fields(cls) if "min" in f.metadata}

@@ -7,8 +7,9 @@ and ``--field value`` overrides; ``validate_label_arguments`` adds the checks ac
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
+from llm.settings.fields import help_field as _f
 from llm.settings.shared import reward_token_pair
 from llm.utils.errors import UserError
 from llm.utils.paths import resolve_paths
@@ -17,13 +18,6 @@ from llm.utils.rundir import check_output_dir
 METHODS = ("math_shepherd", "omegaprm")
 ENGINES = ("hf", "vllm")
 DEFAULT_SOLUTIONS = 4  # policy-written solutions per problem (math_shepherd) when num_solutions is unset
-
-
-def _f(default: Any, text: str, low: float | None = None) -> Any:
-    metadata: dict[str, Any] = {"help": text}
-    if low is not None:
-        metadata["min"] = low
-    return field(default=default, metadata=metadata)
 
 
 @dataclass

@@ -9,20 +9,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llm.settings.environment import EnvironmentConfig
+from llm.settings.fields import help_field as _f
 from llm.settings.prime import PrimeSection
 from llm.settings.registry import ADV_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
 from llm.settings.shared import LoraFields, OptimizerFields, check_reward_url, reward_token_pair, with_default
 from llm.utils.errors import UserError
-
-
-def _f(default: Any, text: str | None = None, low: float | None = None) -> Any:
-    """A field with its help text and lower bound (``fields.field_bounds``)."""
-    metadata: dict[str, Any] = {}
-    if text:
-        metadata["help"] = text
-    if low is not None:
-        metadata["min"] = low
-    return field(default=default, metadata=metadata)
 
 
 @dataclass

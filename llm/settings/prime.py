@@ -12,19 +12,13 @@ or a list) is the outcome verifier (a rule, e.g. ``math_exact_match``, or an HTT
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+
+from llm.settings.fields import help_field as _f
 
 UPDATES = ("before", "after", "none")
 GRANULARITIES = ("token", "whole")
 NORMS = ("batch_norm", "none")
-
-
-def _f(default: Any, text: str, low: float | None = None) -> Any:
-    metadata: dict[str, Any] = {"help": text}
-    if low is not None:
-        metadata["min"] = low
-    return field(default=default, metadata=metadata)
 
 
 @dataclass
