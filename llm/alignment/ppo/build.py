@@ -167,8 +167,10 @@ def build_prime(c: PPOConfig, place: Place, run: PPOContext):
     from llm.alignment.ppo.prime import PrimePRM
 
     p, a, tok = c.prime, c.actor_rollout, run.tokenizer
-    path, from_config = (p.model_name_or_path, p.init_from_config) if p.model_name_or_path else (
-        a.model_name_or_path, a.init_from_config)  # fmt: skip
+    if p.model_name_or_path:
+        path, from_config = p.model_name_or_path, p.init_from_config
+    else:
+        path, from_config = a.model_name_or_path, a.init_from_config
     ref_path = p.ref_model_name_or_path or path
     ref_from_config = from_config and ref_path == path
     for name, other in (("prime.model_name_or_path", path), ("prime.ref_model_name_or_path", ref_path)):

@@ -28,6 +28,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from llm.alignment.ppo.algorithm import last_tokens
 from llm.alignment.ppo.fsdp import first_rank
 from llm.alignment.ppo.interfaces import Samples
 from llm.alignment.ppo.objectives import Counts
@@ -104,7 +105,7 @@ class PrimePRM(PolicyModel):
         process = s.beta * q
         if s.granularity == "whole":
             whole = torch.zeros_like(process)
-            last = (mask * torch.arange(mask.shape[1])).amax(1).long()
+            last = last_tokens(mask)
             whole[torch.arange(len(process)), last] = process.sum(1)
             process = whole
         if s.norm == "batch_norm":
