@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 
@@ -97,18 +96,7 @@ def load() -> list[float]:
 
 def run(a, script: str, config: str, log: str) -> float:
     """``python llm/<script> <config>`` with ``--threads`` threads, its output in ``log``; the wall seconds."""
-    cmd = [sys.executable, os.path.join(ROOT, "llm", script), config]
-    print("$", " ".join(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c for c in cmd), flush=True)
-    t = time.perf_counter()
-    with open(log, "w", encoding="utf-8") as f:
-        rc = subprocess.run(
-            cmd, check=False, stdout=f, stderr=subprocess.STDOUT, env=env(a.threads), cwd=ROOT
-        ).returncode
-    seconds = time.perf_counter() - t
-    if rc != 0:
-        with open(log, encoding="utf-8") as f:
-            sys.stderr.write(f.read()[-4000:])
-        raise SystemExit(f"{script} {config} failed (exit {rc}); log {log}")
+    seconds = harness.run_entry_point(script, config, log, env(a.threads))
     print(f"  {seconds:.0f} s, load average {load()}", flush=True)
     return seconds
 

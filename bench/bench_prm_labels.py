@@ -34,7 +34,6 @@ import math
 import os
 import random
 import shutil
-import subprocess
 import sys
 import time
 
@@ -133,21 +132,7 @@ def env(threads: int) -> dict:
 
 def run(a, script: str, config: str, log_path: str, flags: dict | None = None) -> float:
     """``python llm/<script> <config> [--k v ...]``, its output in ``log_path``; returns the wall seconds."""
-    cmd = [sys.executable, os.path.join(ROOT, "llm", script), config]
-    for k, v in (flags or {}).items():
-        cmd += [f"--{k}", str(v)]
-    print("$", " ".join(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c for c in cmd), flush=True)
-    t = time.perf_counter()
-    with open(log_path, "w", encoding="utf-8") as log:
-        rc = subprocess.run(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env(a.threads), cwd=ROOT, check=False
-        ).returncode
-    seconds = time.perf_counter() - t
-    if rc != 0:
-        with open(log_path, encoding="utf-8") as f:
-            sys.stderr.write(f.read()[-4000:])
-        raise SystemExit(f"{script} failed (rc {rc}); see {log_path}")
-    return seconds
+    return harness.run_entry_point(script, config, log_path, env(a.threads), flags)
 
 
 def load() -> list[float]:

@@ -140,6 +140,24 @@ def run_worker(
     return results[0] if ranks is None else results
 
 
+def run_entry_point(script: str, config: str, log: str, env: dict, flags: dict | None = None) -> float:
+    """``python llm/<script> <config> [--k v ...]`` as a user runs it, its output in ``log``; the wall seconds. A
+    failure ends the benchmark with the log's tail and its path."""
+    cmd = [sys.executable, os.path.join(ROOT, "llm", script), config]
+    for k, v in (flags or {}).items():
+        cmd += [f"--{k}", str(v)]
+    print("$", " ".join(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c for c in cmd), flush=True)
+    t = time.perf_counter()
+    with open(log, "w", encoding="utf-8") as f:
+        rc = subprocess.run(cmd, check=False, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode
+    seconds = time.perf_counter() - t
+    if rc != 0:
+        with open(log, encoding="utf-8") as f:
+            sys.stderr.write(f.read()[-4000:])
+        raise SystemExit(f"{script} {config} failed (exit {rc}); log {log}")
+    return seconds
+
+
 def rank_result(path: str) -> str:
     """Where a rank of a ``run_worker(..., ranks=n)`` launch writes its result (``RANK`` from torchrun)."""
     return f"{path}.{int(os.environ.get('RANK', '0'))}"
