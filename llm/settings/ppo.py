@@ -311,6 +311,18 @@ class AlgorithmSection:
         low=1,
     )
 
+    @property
+    def kl_in_reward(self) -> bool:
+        """A KL penalty in the reward: ``use_kl_in_reward`` with a coefficient that is not fixed at 0."""
+        return self.use_kl_in_reward and not (self.kl_ctrl.type == "fixed" and self.kl_ctrl.kl_coef == 0)
+
+    @property
+    def uses_reference(self) -> bool:
+        """Some KL term reads the reference's log-probs (in the reward, or ``kl_loss_coef`` > 0). Without one the
+        reference model is neither built nor run, as verl (``need_reference_policy``) and TRL's GRPO
+        (``beta`` 0) skip it: its memory and its forward per step are saved, and the KL is not logged."""
+        return self.kl_in_reward or self.kl_loss_coef > 0
+
 
 @dataclass
 class DataSection:
@@ -460,11 +472,10 @@ class PPOConfig:
         advantages), the exact KL (``kl_penalty: full``), the engine's log-probs or TIS (compared with the
         trainer's forward), nor an FSDP2 actor group (each rank sees a share of the batch)."""
         a, alg = self.actor_rollout, self.algorithm
-        kl_in_reward = alg.use_kl_in_reward and not (alg.kl_ctrl.type == "fixed" and alg.kl_ctrl.kl_coef == 0)
         return (
             a.ppo_epochs == 1
             and a.ppo_mini_batch_size == self.data.rollout_batch_size * a.num_samples_per_step
-            and not kl_in_reward
+            and not alg.kl_in_reward
             and alg.kl_penalty != "full"
             and a.rollout_is_cap is None
             and not a.rollout_log_probs

@@ -245,7 +245,11 @@ def validate_lora(c: PPOConfig, path: str) -> None:
                 "disabled (no model of its own), so it has no dtype or offload of its own; remove ref."
                 f"{name}, or give ref.model_name_or_path to load a separate reference"
             )
-    if pool.use_ray and not any({"actor_rollout", "ref"} <= set(group) for group in pool.colocate):
+    if (
+        pool.use_ray
+        and c.algorithm.uses_reference
+        and not any({"actor_rollout", "ref"} <= set(group) for group in pool.colocate)
+    ):
         raise UserError(
             f"{path}: actor_rollout.lora with resource_pool.use_ray: the reference is the actor's own model with the "
             'adapter disabled, so it must run in the actor\'s process: add ["actor_rollout", "ref"] to '

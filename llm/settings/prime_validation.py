@@ -57,7 +57,7 @@ def validate_prime(c: PPOConfig, path: str) -> None:
             f"{path}: algorithm.adv_estimator {alg.adv_estimator!r} with a prime section: PRIME's advantages are "
             "leave-one-out (RLOO) on the outcome and on the process rewards, summed: set algorithm.adv_estimator rloo"
         )
-    if alg.use_kl_in_reward and not (alg.kl_ctrl.type == "fixed" and alg.kl_ctrl.kl_coef == 0):
+    if alg.kl_in_reward:
         raise UserError(
             f"{path}: algorithm.use_kl_in_reward with a prime section: PRIME's returns are the outcome and process "
             "rewards only; set algorithm.use_kl_in_reward false (a KL term: algorithm.kl_loss_coef, as verl's recipe)"

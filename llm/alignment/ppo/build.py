@@ -202,7 +202,7 @@ BUILDERS = {
 
 def role_names(c: PPOConfig) -> list[str]:
     """The roles this run needs, in build order."""
-    names = ["actor_rollout", "ref", "reward"]
+    names = ["actor_rollout", "ref", "reward"] if c.algorithm.uses_reference else ["actor_rollout", "reward"]
     if c.uses_critic:
         names.append("critic")
     if c.resource_pool.rollout > 0:
@@ -273,7 +273,7 @@ def build_from_models(
     ``tok``); the config gives every setting (micro-batch sizes, optimizer, algorithm), not the models.
     ``ref`` and ``reward`` are put in eval mode. Responses end at the tokenizer's EOS or
     one of ``policy.generation_config``'s EOS ids (``PPOContext.stop_ids``' rule). ``ref`` None with a peft ``policy``: the policy's own base
-    with the adapter disabled (lora.py's ``ActorBase``)."""
+    with the adapter disabled (lora.py's ``ActorBase``); not used without a KL term (``algorithm.uses_reference``)."""
     a, micro, place = c.actor_rollout, c.micro, Place()
     actor = ActorRole(
         policy,
@@ -285,7 +285,9 @@ def build_from_models(
     )
     chunked_by(c, actor)
     attach_engine(c, actor)
-    if ref is None:
+    if not c.algorithm.uses_reference:
+        ref_role = None  # no KL term reads it (role_names)
+    elif ref is None:
         ref_role = chunked_by(c, ActorBase({"actor_rollout": actor}, tok, a.temperature, micro("ref")))
     else:
         ref_role = chunked_by(c, PolicyModel(ref.eval(), tok, a.temperature, micro("ref")))
@@ -311,13 +313,18 @@ def build_ppo(c: PPOConfig, prompts: list[Prompt], roles: dict, run: PPOContext)
         " + ".join(f"{r.weight:g} x {r.type}" if c.extra_rewards else r.type for r in c.rewards),
         c.algorithm.adv_estimator,
     )
+    if not c.algorithm.uses_reference:
+        logger.info(
+            "no KL term (algorithm.use_kl_in_reward false or kl_ctrl fixed at kl_coef 0, and kl_loss_coef 0): the "
+            "reference model is not built or run (its memory and a forward per step saved); the logged kl is 0"
+        )
     trainer = PPOTrainer(
         c,
         prompts,
         run.tokenizer,
         roles["actor_rollout"],
         roles["reward"],
-        roles["ref"],
+        roles.get("ref"),
         roles.get("critic"),
         roles.get("rollout"),
         fingerprint=run.fingerprint,
