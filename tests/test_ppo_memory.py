@@ -49,8 +49,11 @@ def _loss(model, seed):
 # --- adam_offload -------------------------------------------------------------------------------------
 def test_host_adamw_equals_adamw_and_keeps_its_state_on_the_host():
     plain, offloaded = tiny_model(seed=1), tiny_model(seed=1)
-    ref_opt = torch.optim.AdamW(plain.parameters(), **ADAMW)
+    ref_opt = torch.optim.AdamW(plain.parameters(), fused=True, **ADAMW)  # the plain role's (fused_if_possible)
     opt = HostAdamW(offloaded.parameters(), **ADAMW)
+    assert (
+        opt.defaults["fused"] and TrainableRole(plain, 0.1, 0.0, (0.9, 0.999), 1e-8, 0.0, 0).optimizer.defaults["fused"]
+    )
     # the copy path is real even with both sides on the CPU: masters are separate fp32 tensors
     for p, m in zip(opt.params, opt.masters):
         assert m.data_ptr() != p.data_ptr() and m.dtype == torch.float32 and m.device == HOST

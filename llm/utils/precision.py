@@ -43,6 +43,20 @@ import torch
 _FP32_STATE = ("master", "exp_avg", "exp_avg_sq")  # the fp32 state of a half-precision parameter
 
 
+IMPLEMENTATION_FLAGS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def load_keeping_implementation(optimizer: torch.optim.Optimizer, load, state_dict: dict) -> None:
+    """``load(state_dict)`` (an ``Optimizer.load_state_dict``), keeping ``optimizer``'s own implementation
+    choices (fused, foreach, ...): torch takes them from the saved param groups, so a state saved by a fused
+    AdamW (a plain PPO role on this machine) would make an offloaded role's loop AdamW fused, and a checkpoint
+    made on one device would choose the kernels on another. They change how, not what, it computes."""
+    own = [{k: g[k] for k in IMPLEMENTATION_FLAGS if k in g} for g in optimizer.param_groups]
+    load(state_dict)
+    for group, flags in zip(optimizer.param_groups, own):
+        group.update(flags)
+
+
 class MasterWeightAdamW(torch.optim.AdamW):
     """AdamW that keeps an fp32 master copy of every half-precision (bf16/fp16) parameter.
 
@@ -109,7 +123,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
             for k, s in state_dict["state"].items()
             if "master" in s
         }
-        super().load_state_dict(state_dict)
+        load_keeping_implementation(self, super().load_state_dict, state_dict)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for k, p in zip(saved_ids, params):

@@ -20,7 +20,8 @@ import logging
 import torch
 from torch.distributed.tensor import DTensor
 
-from llm.alignment.ppo.optim import TrainableRole, trainable, warmup_schedule
+from llm.alignment.ppo.optim import TrainableRole, fused_if_possible, trainable, warmup_schedule
+from llm.utils.precision import load_keeping_implementation
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class HostAdamW(torch.optim.AdamW):
     """AdamW over fp32 master copies of ``params`` kept on ``host``; ``step`` updates the model's own
-    (device) parameters. With fp32 parameters the updates equal ``torch.optim.AdamW``'s exactly; with
+    (device) parameters. With fp32 parameters the updates equal ``torch.optim.AdamW(fused=True)``'s exactly (the
+    plain role's: ``optim.fused_if_possible``); with
     bf16 parameters the master copies make it mixed precision (bf16 weights, fp32 state)."""
 
     def __init__(self, params, *, host: torch.device | str = HOST, **adamw) -> None:
@@ -43,7 +45,10 @@ class HostAdamW(torch.optim.AdamW):
         self.masters = [
             torch.nn.Parameter(_local(p).detach().to(self.host, torch.float32, copy=True)) for p in self.params
         ]
-        super().__init__(self.masters, **adamw)
+        # fused as the plain role's AdamW for fp32 parameters; for half-precision ones the loop, whose arithmetic
+        # is MasterWeightAdamW's hand-written master step (so either resumes the other's state exactly)
+        fused = fused_if_possible(self.params) if all(p.dtype == torch.float32 for p in self.params) else {}
+        super().__init__(self.masters, **fused, **adamw)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -56,6 +61,9 @@ class HostAdamW(torch.optim.AdamW):
             _local(p).copy_(m, non_blocking=True)  # H2D (cast to the model's dtype)
         if any(p.device.type == "cuda" for p in self.params):
             torch.cuda.synchronize()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        load_keeping_implementation(self, super().load_state_dict, state_dict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)

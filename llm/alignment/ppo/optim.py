@@ -20,6 +20,21 @@ def trainable(model) -> list[torch.Tensor]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def fused_if_possible(params: list[torch.Tensor]) -> dict:
+    """``{"fused": True}`` where torch's fused AdamW takes these parameters (plain tensors on the CPU or a CUDA
+    device, floating point), else ``{}`` (torch's default; FSDP2's DTensors). On a CPU torch's default is the
+    per-parameter loop, which on SmolLM2-135M took 0.5 s of every PPO step's two AdamW steps; transformers'
+    ``Trainer`` (so TRL, and our SFT / DPO / reward trainers) has used the fused one since torch 2.8. The
+    two compute the same update up to float rounding."""
+    ok = all(
+        not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") and p.dtype in FUSED_DTYPES for p in params
+    )
+    return {"fused": True} if ok and params else {}
+
+
 def warmup_schedule(optimizer, warmup_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda n: min(1.0, (n + 1) / warmup_steps) if warmup_steps else 1.0
@@ -40,7 +55,10 @@ class TrainableRole:
         warmup_steps: int,
     ) -> None:
         self.model = model
-        self.optimizer = MasterWeightAdamW(trainable(model), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        params = trainable(model)
+        self.optimizer = MasterWeightAdamW(
+            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **fused_if_possible(params)
+        )
         self.scheduler = warmup_schedule(self.optimizer, warmup_steps)
         self.max_grad_norm = max_grad_norm
         self.lora_merge = False  # a LoRA role's final save also writes the merged model (lora_merge)
