@@ -175,6 +175,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="activation checkpointing on every side (ours: recompute true; TRL: activation_checkpointing)",
     )
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bf16 mixed precision on every side (fp32 weights, torch.autocast(cpu, bfloat16); ours: bf16 true, "
+        "TRL: bf16=True)",
+    )
     p.add_argument("--lora-rank", type=int, default=8, help="with --lora: lora_rank / LoraConfig r (default 8)")
     p.add_argument("--lora-alpha", type=float, default=16.0, help="with --lora: lora_alpha (default 16)")
     p.add_argument("--lora-dropout", type=float, default=0.05, help="with --lora: lora_dropout (default 0.05)")
@@ -214,6 +220,7 @@ def our_arguments(
     lora: tuple | None = None,
     model_dir: str | None = None,
     recompute: bool = False,
+    bf16: bool = False,
 ):
     """The tiny config of ``task`` parsed as ``run_dpo.py`` / ``run_finetune.py`` do, with the benchmark overrides;
     ``lora``: (rank, alpha, dropout) to set our LoRA fields (default targets), or None (full fine-tuning);
@@ -247,7 +254,7 @@ def our_arguments(
         "--use_cpu",
         "true",
         "--bf16",
-        "false",
+        str(bf16).lower(),
     ]
     if task == "dpo" and dpo_ref is not None:
         cli += ["--precompute_ref_log_probs", str(dpo_ref == "precompute").lower()]
@@ -261,14 +268,13 @@ def our_arguments(
     return model_args, data_args, training_args
 
 
-def encoded_examples(task: str, path: str, tokenizer, data_args) -> list:
-    """Our ``Example`` of every record (unpacked), exactly as our data pipeline encodes them."""
-    from llm.alignment.sft.build import encode_config
+def encoded_examples(task: str, path: str, tokenizer, cfg) -> list:
+    """Our ``Example`` of every record (unpacked), exactly as our data pipeline encodes them (``cfg``: the run's
+    ``RunContext.encoding``)."""
     from llm.data.encode_lm import encode_pair_for_lm, encode_sft
     from llm.data.encoding import encode_all
     from llm.data.readers import load_dataset_records
 
-    cfg = encode_config(data_args)
     if task == "dpo":
         encode = functools.partial(encode_pair_for_lm, tokenizer=tokenizer, cfg=cfg)  # sigmoid: no prompt targets
     else:
@@ -353,7 +359,7 @@ def trl_common(training_args, out_dir: str) -> dict:
         "report_to": "none",
         "disable_tqdm": True,
         "use_cpu": True,
-        "bf16": False,
+        "bf16": bool(training_args.bf16),  # off unless --bf16
         "fp16": False,
         "activation_checkpointing": bool(training_args.activation_checkpointing),  # off unless --recompute
     }
@@ -365,9 +371,11 @@ def build_trl(task: str, side: str, args, model_args, data_args, training_args, 
     import trl
     from transformers import AutoModelForCausalLM
 
-    from llm.utils.modeling import load_model, load_tokenizer
+    from llm.alignment.context import RunContext
+    from llm.utils.modeling import load_model
 
-    tokenizer = load_tokenizer(model_args.tokenizer_name_or_path)
+    run = RunContext.load(model_args, data_args, training_args)  # the tokenizer and encoding our side uses
+    tokenizer = run.tokenizer
     model = load_model(
         AutoModelForCausalLM,
         model_args.model_name_or_path,
@@ -376,7 +384,7 @@ def build_trl(task: str, side: str, args, model_args, data_args, training_args, 
         attn_implementation="sdpa",
         pad_token_id=tokenizer.pad_token_id,
     )
-    examples = encoded_examples(task, data_args.train_dataset_path, tokenizer, data_args)
+    examples = encoded_examples(task, data_args.train_dataset_path, tokenizer, run.encoding)
     common = trl_common(training_args, out_dir)
     batch = int(args.trl_batch)
     if task == "dpo":
@@ -458,6 +466,7 @@ def weights_checksum(model) -> float:
 def run_side(args) -> dict:
     """One (task, side) run in this process: build, train one epoch, count and time it."""
     start_worker(args.threads)
+    from llm.alignment.context import RunContext
     from llm.alignment.dpo.build import build_dpo_trainer
     from llm.alignment.sft.build import build_sft_trainer
 
@@ -465,12 +474,12 @@ def run_side(args) -> dict:
     out_dir = tempfile.mkdtemp(prefix=f"{task}_{side}_", dir=args.workdir)
     lora = (args.lora_rank, args.lora_alpha, args.lora_dropout) if side == "ours_lora" else None
     model_args, data_args, training_args = our_arguments(
-        task, args.workdir, out_dir, args.dpo_ref, lora, args.model_dir, args.recompute
+        task, args.workdir, out_dir, args.dpo_ref, lora, args.model_dir, args.recompute, args.bf16
     )
     s0 = time.perf_counter()
     if side in ("ours", "ours_lora"):
         build = build_dpo_trainer if task == "dpo" else build_sft_trainer
-        trainer, train, _ = build(model_args, data_args, training_args)
+        trainer, train, _ = build(RunContext.load(model_args, data_args, training_args))
         measure, n_examples = our_counts, train.stats.examples
     else:
         trainer, measure, n_examples = build_trl(task, side, args, model_args, data_args, training_args, out_dir)
@@ -505,11 +514,10 @@ def prepare(args, workdir: str) -> dict:
     """Model config dir (the config's tiny model, optionally resized), data subsets, our examples per packed row."""
     from transformers import AutoConfig
 
+    from llm.alignment.context import RunContext
     from llm.alignment.dpo.build import build_pair_data
     from llm.alignment.sft.build import build_sft_data
-    from llm.utils.modeling import load_tokenizer
 
-    tokenizer = load_tokenizer(args.model_dir or TOKENIZER)
     configs = REAL_CONFIGS if args.model_dir else CONFIGS
     info: dict = {}
     model_path = None
@@ -542,12 +550,16 @@ def prepare(args, workdir: str) -> dict:
     info["model"]["path"] = args.model_dir or "random weights of " + os.path.relpath(model_path, ROOT)
     for task in args.tasks:
         probe = os.path.join(workdir, "probe")
-        _, data_args, training_args = our_arguments(task, workdir, probe, args.dpo_ref, model_dir=args.model_dir)
+        model_args, data_args, training_args = our_arguments(
+            task, workdir, probe, args.dpo_ref, model_dir=args.model_dir
+        )
+        run = RunContext.load(model_args, data_args, training_args)  # as the run will encode its data
         data_path = os.path.join(workdir, f"{task}.jsonl")
+        seed = training_args.seed
         if task == "dpo":
-            data = build_pair_data(data_path, tokenizer, data_args, training_args.loss_type, 1, training_args.seed)
+            data = build_pair_data(data_path, run.tokenizer, data_args, run.encoding, training_args.loss_type, 1, seed)
         else:
-            data = build_sft_data(data_path, tokenizer, data_args, 1, training_args.seed)
+            data = build_sft_data(data_path, run.tokenizer, data_args, run.encoding, 1, seed)
         info[task].update(
             our_rows=data.stats.rows,
             our_examples_per_row=data.stats.examples / data.stats.rows,
@@ -720,6 +732,7 @@ def main(argv=None) -> dict:
                 "lora_dropout",
                 "model_dir",
                 "recompute",
+                "bf16",
                 trl_batch=info[task]["trl_batch"],
             )
             return run_worker(__file__, f"{task}:{side}", workdir, argv, ROOT, env=env, echo=bool(args.profile))
