@@ -103,16 +103,19 @@ def worker(args) -> None:
     """One torchrun process of layout ``--side``: build the PRM trainer, train, write step times and peak RSS."""
     import torch
 
+    from llm.alignment.context import RunContext
     from llm.alignment.rm.build import build_reward_trainer
     from llm.settings.flat import validate_arguments
     from llm.settings.load import parse_arguments
+    from llm.settings.reward import REWARD_ARGUMENT_TYPES
     from llm.utils.logging import setup_logging
 
     torch.set_num_threads(1)
-    model_args, data_args, training_args = parse_arguments([config_path(args.workdir, args.side), *LAYOUTS[args.side]])
+    argv = [config_path(args.workdir, args.side), *LAYOUTS[args.side]]
+    model_args, data_args, training_args = parse_arguments(argv, REWARD_ARGUMENT_TYPES)
     validate_arguments(model_args, data_args, training_args)
     setup_logging(training_args)
-    trainer, _, _ = build_reward_trainer(model_args, data_args, training_args)
+    trainer, _, _ = build_reward_trainer(RunContext.load(model_args, data_args, training_args))
     clock = add_step_clock(trainer)
     trainer.train()
     worker_result(rank_result(args.result), {"step_s": clock.durations, "peak_rss_mb": rss_mib()})

@@ -234,6 +234,7 @@ def training_settings(args, out_dir: str) -> dict:
 
 def build_ours(args, task: str, model_dir: str, data_path: str, common: dict):
     """orm/ours, prm/ours: ``build_reward_trainer``; returns (trainer, counter, pack pad ratio, examples)."""
+    from llm.alignment.context import RunContext
     from llm.alignment.rm.build import build_reward_trainer
     from llm.settings.flat import DataArgument
     from llm.settings.reward import RewardModelArgument, RewardTrainingArguments
@@ -254,7 +255,7 @@ def build_ours(args, task: str, model_dir: str, data_path: str, common: dict):
         use_chat_template=False,  # TRL gets the same plain prompt text (prompt_text)
     )
     training_args = RewardTrainingArguments(per_device_train_batch_size=1, process_reward=(task == "prm"), **common)
-    trainer, train, _ = build_reward_trainer(model_args, data_args, training_args)
+    trainer, train, _ = build_reward_trainer(RunContext.load(model_args, data_args, training_args))
     return trainer, Counting(trainer.data_collator, our_counts), train.stats.pad_ratio, train.stats.examples
 
 
@@ -389,6 +390,7 @@ def prepare(args, workdir: str) -> dict:
 def prepare_data(args, workdir: str, tokenizer, model_argument) -> dict:
     """Data subsets and the examples per packed row (for --trl-batch auto)."""
     from llm.alignment.rm.data import build_reward_data
+    from llm.data.encoding import EncodeConfig
     from llm.settings.flat import DataArgument
 
     info = {}
@@ -396,17 +398,20 @@ def prepare_data(args, workdir: str, tokenizer, model_argument) -> dict:
         n = args.pairs if task == "orm" else args.prm_examples
         path = os.path.join(workdir, f"{task}.jsonl")
         records = data_subset(DATA[task], n, path)
+        data_args = DataArgument(
+            max_seq_len=args.max_seq_len,
+            max_prompt_len=args.max_prompt_len,
+            zero_padding=True,
+            greedy_zero_padding=True,
+            use_chat_template=False,
+        )
         data = build_reward_data(
             path,
+            "train",
             tokenizer,
             model_argument(model_name_or_path=workdir, placeholder_token=args.placeholder),
-            DataArgument(
-                max_seq_len=args.max_seq_len,
-                max_prompt_len=args.max_prompt_len,
-                zero_padding=True,
-                greedy_zero_padding=True,
-                use_chat_template=False,
-            ),
+            data_args,
+            EncodeConfig(data_args.max_seq_len, data_args.max_prompt_len, data_args.overlong_policy, False),
             task == "prm",
             1,
             args.seed,
