@@ -77,6 +77,7 @@ FORWARD = [
     "outcome_coef",
     "prime_update",
     "prime_granularity",
+    "filter_groups",
     "eval_n",
     "eval_new_tokens",
     "keep_checkpoints",
@@ -104,6 +105,8 @@ def side_config(a, side: str) -> dict:
     cfg["algorithm"]["adv_estimator"] = "rloo"
     if side == "prime":
         cfg["prime"] = prime_section(a)
+    if a.filter_groups:  # both sides: the PRIME paper's online prompt filtering, as DAPO's dynamic sampling
+        cfg["algorithm"]["filter_groups"] = True
     return cfg
 
 
@@ -130,6 +133,12 @@ def settings(a) -> dict:
         adv_estimator="rloo (verl's compute_rloo_advantage_return: leave-one-out within each group), whitened",
         loss="token mean over the step's completions",
         sides="outcome: reward alone; prime: the same plus the prime section (the only difference)",
+        filter_groups=(
+            "both sides: groups whose completions all score the same (accuracy 0 or 1) dropped and more prompts "
+            "drawn (algorithm.filter_groups; PRIME's online prompt filtering keeps accuracy in [0.2, 0.8])"
+            if a.filter_groups
+            else "no"
+        ),
         prime=prime_section(a),
         schedule="one after the other" if a.sequential else "both sides at once, one process each",
         train_data=ARITH_TRAIN,
@@ -333,6 +342,12 @@ def parse(argv=None):
     g.add_argument("--prime-coef", type=float, default=5.0, help="prime.process_coef")
     g.add_argument("--outcome-coef", type=float, default=5.0, help="prime.outcome_coef")
     g.add_argument("--prime-update", default="before", choices=("before", "after", "none"))
+    g.add_argument(
+        "--filter-groups",
+        action="store_true",
+        help="both sides: algorithm.filter_groups (all-equal groups dropped, more prompts drawn), the PRIME "
+        "paper's online prompt filtering in DAPO's form",
+    )
     g.add_argument("--prime-granularity", default="token", choices=("token", "whole"))
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval-n", type=int, default=128, help="the first N prompts of arith_dev.jsonl")
@@ -362,6 +377,7 @@ def main() -> None:
         worker(a)
         return
     tag = a.model if a.model in ("smollm2", "tiny") else os.path.basename(a.model.rstrip("/"))
+    tag += "_filtered" if a.filter_groups else ""
     default = f"output/prime_{tag}_quick.json" if a.quick else f"bench/results/prime_{tag}.json"
     out = a.out or os.path.join(ROOT, default)
     png = a.png or os.path.splitext(out)[0] + ".png"
