@@ -93,6 +93,13 @@ def test_informative_groups_by_hand():
     assert informative_groups(scores, 4) == [1, 3]
     assert informative_groups(scores, 2) == [2, 7]
     assert informative_groups(torch.tensor([-1.0, -1.0]), 2) == []
+    # filter_groups_range: group means 1, 0.25, 0, 0.525; the band is inclusive; all-equal groups stay out
+    assert informative_groups(scores, 4, scores, [0.2, 0.8]) == [1, 3]
+    assert informative_groups(scores, 4, scores, [0.3, 0.8]) == [3]
+    assert informative_groups(scores, 4, scores, [0.25, 0.25]) == [1]
+    assert informative_groups(scores, 4, scores, [0.0, 1.0]) == [1, 3]
+    # the band reads the reward's own values, not the shaped outcome the equality test reads
+    assert informative_groups(scores, 4, torch.zeros(16), [0.2, 0.8]) == []
 
 
 def test_prompt_stream_is_one_stream_of_seeded_passes():
@@ -148,6 +155,22 @@ def test_dynamic_sampling_drops_equal_groups_and_draws_more(tmp_path):
     # every trained group has unequal rewards: no sample of an all-zero prompt is in a step's batch
     rows = read_jsonl(out / "samples.jsonl")
     assert rows and all(zlib.crc32(r["prompt"].encode()) % 2 == 1 for r in rows)
+
+
+def test_range_trains_only_groups_whose_mean_reward_is_in_it(tmp_path):
+    """half_constant: parity rewards on half the prompts; with the band [0.5, 0.5] only groups with exactly 2 of
+    their 4 samples rewarded are trained on."""
+    out = tmp_path / "out"
+    training = {"max_steps": 2, "log_samples": 64}
+    cfg = dapo_config(tmp_path, training=training, algorithm={"filter_groups_range": [0.5, 0.5]})
+    main([cfg])
+    logs = history(out)
+    assert len(logs) == 2 and sum(h["dapo/groups_dropped"] for h in logs) > 0
+    by_group: dict = {}
+    for r in read_jsonl(out / "samples.jsonl"):
+        by_group.setdefault((r["step"], r["prompt"]), []).append(r["score"])
+    assert by_group and sum(len(v) for v in by_group.values()) == sum(4 * h["dapo/groups_kept"] for h in logs)
+    assert all(len(v) == 4 and sum(v) == 2 for v in by_group.values()), by_group
 
 
 @pytest.mark.parametrize(
@@ -240,6 +263,8 @@ def test_overlong_shaping_in_a_run(tmp_path):
         ),
         ({"actor_rollout": {"num_samples_per_step": 1, "ppo_mini_batch_size": 4}}, "num_samples_per_step >= 2"),
         ({"reward": {"overlong_buffer_len": 8}}, "reward.overlong_buffer_len=8 must be less than actor_rollout.max_"),
+        ({"algorithm": {"filter_groups_range": [0.8, 0.2]}}, r"filter_groups_range must be \[low, high\] with low <="),
+        ({"algorithm": {"filter_groups_range": [0.5]}}, r"filter_groups_range must be \[low, high\].*got \[0.5\]"),
     ],
 )
 def test_validation_messages(tmp_path, sections, needle):
@@ -250,9 +275,16 @@ def test_validation_messages(tmp_path, sections, needle):
 def test_unused_settings_are_noted(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         parse_ppo_config(
-            [config(tmp_path, algorithm={"max_num_gen_batches": 3}, reward={"overlong_penalty_factor": 2})]
+            [
+                config(
+                    tmp_path,
+                    algorithm={"max_num_gen_batches": 3, "filter_groups_range": [0.2, 0.8]},
+                    reward={"overlong_penalty_factor": 2},
+                )
+            ]
         )
     assert "max_num_gen_batches applies with algorithm.filter_groups true only" in caplog.text
+    assert "filter_groups_range applies with algorithm.filter_groups true only" in caplog.text
     assert "overlong_penalty_factor applies with reward.overlong_buffer_len > 0 only" in caplog.text
 
 

@@ -150,6 +150,7 @@ ADDED_LATER = {
     "actor_rollout.max_staleness": 1,
     "algorithm.norm_adv_by_std_in_grpo": True,
     "algorithm.filter_groups": False,
+    "algorithm.filter_groups_range": None,
     "algorithm.max_num_gen_batches": 10,
     "reward.overlong_buffer_len": 0,
     "reward.overlong_penalty_factor": 1.0,

@@ -304,6 +304,14 @@ class AlgorithmSection:
         "DAPO's dynamic sampling: groups whose samples all have the same reward (advantage 0, no gradient) are "
         "dropped and more prompts are generated until the batch is full (grouped estimators only)",
     )
+    filter_groups_range: list[float] | None = field(
+        default=None,
+        metadata={
+            "help": "filter_groups: also drop a group unless the mean of its rewards (the reward's own values, "
+            "before any shaping) lies in [low, high], e.g. [0.2, 0.8]: the PRIME paper's online prompt filtering "
+            "(verl's data.accuracy_lower_bound / accuracy_upper_bound); null: only all-equal groups are dropped"
+        },
+    )
     max_num_gen_batches: int = _f(
         10,
         "filter_groups: the most generation rounds per step (the first included); then the step trains on what it "

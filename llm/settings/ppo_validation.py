@@ -274,8 +274,16 @@ def validate_dapo(c: PPOConfig, path: str) -> None:
                 f"{path}: algorithm.filter_groups compares the samples of each prompt: it needs "
                 f"actor_rollout.num_samples_per_step >= 2, got {a.num_samples_per_step}"
             )
-    elif alg.max_num_gen_batches != type(alg).max_num_gen_batches:  # set, but not read
-        logger.warning("%s: algorithm.max_num_gen_batches applies with algorithm.filter_groups true only", path)
+        band = alg.filter_groups_range
+        if band is not None and not (len(band) == 2 and band[0] <= band[1]):
+            raise UserError(
+                f"{path}: algorithm.filter_groups_range must be [low, high] with low <= high (the band a group's mean "
+                f"reward must lie in to be trained on, e.g. [0.2, 0.8]), got {band}"
+            )
+    else:
+        for name in ("max_num_gen_batches", "filter_groups_range"):
+            if getattr(alg, name) != getattr(type(alg), name):  # set, but not read
+                logger.warning("%s: algorithm.%s applies with algorithm.filter_groups true only", path, name)
     if rw.overlong_buffer_len and rw.overlong_buffer_len >= a.max_response_length:
         raise UserError(
             f"{path}: reward.overlong_buffer_len={rw.overlong_buffer_len} must be less than "

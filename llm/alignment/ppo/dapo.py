@@ -30,6 +30,10 @@ prompts come from the same seeded stream (``prompt_stream``) and their count is 
 uninterrupted one; round ``r`` of a step samples with the step's seed plus ``r * ROUND_SEED_STRIDE``. Dynamic
 sampling is a rollout source around another (``DynamicSampling``, rollout.py): it asks the inner source for more
 rounds and returns the groups to train on, or a batch marked ``update=False`` when none is left.
+``algorithm.filter_groups_range`` ``[low, high]`` also drops a group unless the mean of its rewards (the reward's
+own values, ``Scored.raw_scores``) lies in the band, both ends included: the PRIME paper's online prompt filtering
+(Cui et al. 2025, section 3.4; verl's ``data.filter_accuracy`` with ``accuracy_lower_bound`` 0.2 and
+``accuracy_upper_bound`` 0.8 in ``recipe/prime``), which keeps the prompts of middling difficulty.
 
 Where verl (``recipe/dapo/dapo_ray_trainer.py``) differs: it compares the groups on a chosen metric
 (``filter_groups.metric``: ``acc``, the reward before the overlong punishment, in its DAPO recipe; or
@@ -43,7 +47,7 @@ prompt for each dropped one, with no cap. Neither skips a step: verl cannot end 
 
 Metrics: ``dapo/overlong_penalty`` (mean punishment over the step's samples, <= 0) and ``dapo/overlong_frac``
 (share of them longer than ``L_max - L_cache``) with the shaping on; ``dapo/gen_rounds``, ``dapo/groups_kept``,
-``dapo/groups_dropped`` (all-equal groups over all rounds), ``dapo/groups_surplus`` (groups with unequal rewards
+``dapo/groups_dropped`` (all-equal groups, or outside the range, over all rounds), ``dapo/groups_surplus`` (groups with unequal rewards
 not trained on: beyond the batch, or cut for ``ppo_mini_batch_size``) and ``dapo/update_skipped`` (1: no group
 left) with dynamic sampling.
 """
@@ -78,11 +82,18 @@ def overlong_punishment(
     return factor * ((expected - lengths) / buffer_len).clamp(-1.0, 0.0)
 
 
-def informative_groups(outcomes: torch.Tensor, group_size: int) -> list[int]:
+def informative_groups(
+    outcomes: torch.Tensor, group_size: int, rewards: torch.Tensor | None = None, band: list[float] | None = None
+) -> list[int]:
     """Indices of the groups of ``group_size`` consecutive outcomes that are not all equal (exactly: a group
-    of equal scores has advantage 0 under GRPO and RLOO), in order."""
+    of equal scores has advantage 0 under GRPO and RLOO), in order; with ``band`` ``[low, high]`` also only those
+    whose mean of ``rewards`` lies in it (``algorithm.filter_groups_range``)."""
     grouped = outcomes.view(-1, group_size)
-    return (grouped.amax(1) != grouped.amin(1)).nonzero().flatten().tolist()
+    keep = grouped.amax(1) != grouped.amin(1)
+    if band is not None:
+        mean = rewards.view(-1, group_size).double().mean(1)
+        keep &= (mean >= band[0]) & (mean <= band[1])
+    return keep.nonzero().flatten().tolist()
 
 
 def _pad(t: torch.Tensor | None, width: int) -> torch.Tensor | None:
@@ -213,7 +224,8 @@ class DynamicSampling:
                 if key.startswith("time/"):
                     seconds[key] = seconds.get(key, 0.0) + value
             scored = batch.scored
-            groups = informative_groups(outcomes(scored), n)
+            band = self.c.algorithm.filter_groups_range
+            groups = informative_groups(outcomes(scored), n, scored.raw_scores, band)
             dropped += len(scored.samples) // n - len(groups)
             kept += len(groups)
             parts.append((scored, [g * n + k for g in groups for k in range(n)], batch.behaviour_logprobs))
