@@ -304,14 +304,9 @@ class AlgorithmSection:
         "DAPO's dynamic sampling: groups whose samples all have the same reward (advantage 0, no gradient) are "
         "dropped and more prompts are generated until the batch is full (grouped estimators only)",
     )
-    filter_groups_range: list[float] | None = field(
-        default=None,
-        metadata={
-            "help": "filter_groups: also drop a group unless the mean of its rewards (the reward's own values, "
-            "before any shaping) lies in [low, high], e.g. [0.2, 0.8]: the PRIME paper's online prompt filtering "
-            "(verl's data.accuracy_lower_bound / accuracy_upper_bound); null: only all-equal groups are dropped"
-        },
-    )
+    # filter_groups: also drop a group unless its mean reward (the reward's own values) lies in [low, high], e.g.
+    # [0.2, 0.8], PRIME's online prompt filtering (verl's accuracy bounds); null: only all-equal groups are dropped
+    filter_groups_range: list[float] | None = None
     max_num_gen_batches: int = _f(
         10,
         "filter_groups: the most generation rounds per step (the first included); then the step trains on what it "
@@ -326,9 +321,8 @@ class AlgorithmSection:
 
     @property
     def uses_reference(self) -> bool:
-        """Some KL term reads the reference's log-probs (in the reward, or ``kl_loss_coef`` > 0). Without one the
-        reference model is neither built nor run, as verl (``need_reference_policy``) and TRL's GRPO
-        (``beta`` 0) skip it: its memory and its forward per step are saved, and the KL is not logged."""
+        """A KL term (in the reward, or ``kl_loss_coef`` > 0) reads the reference; without one it is not built or
+        run, as verl (``need_reference_policy``) and TRL's GRPO (``beta`` 0) skip it."""
         return self.kl_in_reward or self.kl_loss_coef > 0
 
 
