@@ -210,7 +210,7 @@ class DynamicSampling:
     def collect(self, step: int, round: int = 0) -> RolloutBatch:
         """Step ``step``'s groups to train on, with ``dapo/...`` metrics; ``update=False`` when none is left."""
         size, cap = self.c.data.rollout_batch_size, self.c.algorithm.max_num_gen_batches
-        n = self.c.actor_rollout.num_samples_per_step
+        n, band = self.c.actor_rollout.num_samples_per_step, self.c.algorithm.filter_groups_range
         parts: list[tuple[Scored, list[int], torch.Tensor | None]] = []  # each round's kept samples
         everything = []
         kept = dropped = 0
@@ -224,7 +224,6 @@ class DynamicSampling:
                 if key.startswith("time/"):
                     seconds[key] = seconds.get(key, 0.0) + value
             scored = batch.scored
-            band = self.c.algorithm.filter_groups_range
             groups = informative_groups(outcomes(scored), n, scored.raw_scores, band)
             dropped += len(scored.samples) // n - len(groups)
             kept += len(groups)
