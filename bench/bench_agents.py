@@ -548,6 +548,7 @@ def run_trl(a) -> dict:
         scale_rewards="group",
         num_iterations=1,
         gradient_checkpointing=False,
+        bf16=False,  # as ours: fp32 (TRL's configs default to bf16 autocast, on a CPU too)
         max_steps=100000,
         logging_steps=1,
         save_strategy="no",

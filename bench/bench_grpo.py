@@ -216,6 +216,7 @@ def run_trl(a, use_vllm: bool) -> dict:
         lr_scheduler_type="constant",
         max_grad_norm=0.0,
         beta=0.04,
+        bf16=False,  # as ours: fp32 (TRL's configs default to bf16 autocast, on a CPU too)
         max_steps=a.steps,
         logging_steps=1,
         save_strategy="no",

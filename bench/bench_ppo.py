@@ -58,6 +58,7 @@ WORKER_SETTINGS = (
     "recompute_logprobs",
     "engine",
     "model_dir",
+    "bf16",
 )
 
 
@@ -144,6 +145,7 @@ def ours_config(a):
             max_steps=a.steps,
             micro_batch_size=a.batch,
             report_to="none",
+            bf16=a.bf16,
         ),
         actor_rollout=ActorRolloutSection(
             temperature=1.0,
@@ -194,6 +196,7 @@ def trl_config(a, output_dir: str):
         save_strategy="no",
         disable_tqdm=True,
         logging_steps=10_000,
+        bf16=a.bf16,  # has no effect by itself: PPOTrainer builds its own Accelerator (see run_trl)
     )
     args.per_device_train_batch_size = a.batch
     args.num_mini_batches = 2
@@ -244,6 +247,8 @@ def run_trl(a) -> dict:
     from trl.experimental.ppo import ppo_trainer as trl_module
 
     torch.set_num_threads(a.threads)
+    if a.bf16:  # PPOTrainer's Accelerator() reads its precision from here, not from args.bf16
+        os.environ["ACCELERATE_MIXED_PRECISION"] = "bf16"
     tok = side_tokenizer(a)
     tok.padding_side = "left"  # TRL's collator pads the variable-length prompts; generation needs left
     models = build_models(a, "sdpa", tok)
@@ -360,6 +365,14 @@ def main() -> None:
         default="hf",
         help="ours: actor_rollout.rollout_engine (vllm: run this script in the environment setup.sh --vllm makes)",
     )
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bf16 on both sides: ours training.bf16 (O2: bf16 weights for all four models, fp32 AdamW masters); "
+        "TRL: bf16 autocast of its policy+value update (ACCELERATE_MIXED_PRECISION=bf16; its generation, "
+        "reference and reward stay fp32). Without it both sides are fp32: TRL's PPOTrainer ignores its "
+        "config's bf16 (default True) and runs fp32",
+    )
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
@@ -416,7 +429,7 @@ def main() -> None:
     cap = "stop at EOS" if a.mode == "realistic" else "EOS ignored"
     print(
         f"PPO step ({a.mode}), B={a.batch} {prompts}, responses <= {a.response_len} tokens ({cap}, EOS bias "
-        f"{a.eos_bias}), {model}, {a.threads} threads, "
+        f"{a.eos_bias}), {model}, {'bf16 (see --bf16)' if a.bf16 else 'fp32'}, {a.threads} threads, "
         f"median of {a.repeats} runs x {a.steps - 1} steps; ours generates with {a.engine}, its old log-probs "
         + ("recomputed by a forward" if a.recompute_logprobs else "from the generation's logits")
     )

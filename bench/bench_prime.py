@@ -355,7 +355,7 @@ def parse(argv=None):
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--eval-list", help=argparse.SUPPRESS)
     harness.add_worker_flags(p, sides=(*SIDES, "eval"))
-    p.set_defaults(lora=False, lora_rank=16)  # bench_real_learning's helpers read these: no LoRA here
+    p.set_defaults(lora=False, lora_rank=16, precision="fp32")  # bench_real_learning's helpers read these
     a = p.parse_args(argv)
     a.eval_prompts = a.eval_n
     return a

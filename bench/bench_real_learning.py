@@ -54,6 +54,7 @@ RULE = "llm.alignment.ppo.rewards.rule_functions:math_exact_match"
 ARITH_TRAIN = "llm/data/sample_arith/arith_train.jsonl"
 ARITH_DEV = "llm/data/sample_arith/arith_dev.jsonl"
 CONFIGS = "llm/config/smollm2"
+TRL_CURRENT = os.path.join(ROOT, ".trl-current")  # TRL's current release (scripts/setup.sh)
 TINY_DEMO = {"prm_step_accuracy": 0.8405, "processbench_f1": 0.648}
 
 
@@ -192,6 +193,9 @@ def grpo_settings(a) -> dict:
         "threads_per_side": a.threads,
         "eval": f"greedy, chat template, {a.eval_new_tokens} new tokens, first {a.eval_prompts} of {ARITH_DEV}",
         "seed": a.seed,
+        "precision": "bf16: ours training.bf16 (bf16 weights, fp32 AdamW masters), TRL bf16=True (autocast)"
+        if a.precision == "bf16"
+        else "fp32 on both sides (TRL bf16=False; its configs' default on a CPU is bf16 autocast)",
     }
 
 
@@ -230,6 +234,7 @@ def ours_grpo_config(a) -> dict:
             "learning_rate": a.lr,
             "max_grad_norm": 1.0,
             "max_steps": 100000,
+            "bf16": a.precision == "bf16",
             "micro_batch_size": a.micro_batch,
             "report_to": "none",
             "disable_tqdm": True,
@@ -420,6 +425,7 @@ def run_grpo_trl(a) -> dict:
         scale_rewards="group",
         num_iterations=1,
         gradient_checkpointing=False,  # TRL's default is True; ours does not checkpoint
+        bf16=a.precision == "bf16",  # TRL's default (None) means True, on a CPU too: say it
         max_steps=100000,
         logging_steps=1,
         save_strategy="no",
@@ -507,6 +513,8 @@ def worker_cmd(python: str, a, side: str, result: str, extra: list[str] | None =
         str(a.eval_new_tokens),
         "--eval-prompts",
         str(a.eval_prompts),
+        "--precision",
+        a.precision,
     ]
     if a.lora:
         flags.append("--lora")
@@ -518,14 +526,17 @@ def worker_cmd(python: str, a, side: str, result: str, extra: list[str] | None =
 def task_grpo(a) -> dict:
     os.makedirs(a.workdir, exist_ok=True)
     sides = [s for s in a.grpo_sides.split(",") if s]
-    python = {"ours": sys.executable, "trl": a.trl_python}
+    python = {"ours": sys.executable, "trl": a.trl_python or sys.executable}
     procs = {}
     logs = {}
     for s in sides:
         logs[s] = open(os.path.join(a.workdir, f"grpo_{s}.log"), "w", encoding="utf-8")  # noqa: SIM115 (closed below)
         cmd = worker_cmd(python[s], a, f"grpo-{s}", os.path.join(a.workdir, f"grpo_{s}.json"))
         print("$", " ".join(cmd), flush=True)
-        procs[s] = subprocess.Popen(cmd, stdout=logs[s], stderr=subprocess.STDOUT, env=env(a.threads), cwd=ROOT)
+        e = env(a.threads)
+        if s == "trl" and not a.trl_python:
+            e["PYTHONPATH"] = os.pathsep.join((TRL_CURRENT, ROOT))
+        procs[s] = subprocess.Popen(cmd, stdout=logs[s], stderr=subprocess.STDOUT, env=e, cwd=ROOT)
     results = {}
     for s, p in procs.items():
         rc = p.wait()
@@ -877,8 +888,9 @@ def environment(a) -> dict:
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(description: str = __doc__) -> argparse.ArgumentParser:
+    """The flags of this script (``bench_grpo_race.py`` adds its own to them)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", default=",".join(TASKS))
     p.add_argument("--quick", action="store_true", help="smoke run: a minute or two per task")
     p.add_argument("--out", default=os.path.join(ROOT, "bench/results/real_learning.json"))
@@ -889,7 +901,18 @@ def main() -> None:
     p.add_argument("--keep-checkpoints", action="store_true")
     g = p.add_argument_group("GRPO")
     g.add_argument("--grpo-sides", default="ours,trl")
-    g.add_argument("--trl-python", default="/tmp/grpo/bin/python", help="python of the environment with current TRL")
+    g.add_argument(
+        "--trl-python",
+        help="python of an environment with TRL's current release (default: this python with .trl-current first "
+        "on its path, as scripts/setup.sh installs it)",
+    )
+    g.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="both sides: fp32 (TRL bf16=False), or bf16 (ours training.bf16, O2; TRL bf16=True, autocast, "
+        "which TRL's configs turn on by default, on a CPU too)",
+    )
     g.add_argument("--minutes", type=float, default=32.0, help="training wall budget per side")
     g.add_argument("--evals", type=int, default=5, help="checkpoints per side (every --minutes / --evals)")
     g.add_argument("--max-steps", type=int, default=100000)
@@ -927,7 +950,11 @@ def main() -> None:
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--eval-list", help=argparse.SUPPRESS)
-    a = p.parse_args()
+    return p
+
+
+def main() -> None:
+    a = parser().parse_args()
     if a.side == "eval":
         eval_worker(a)
         return
