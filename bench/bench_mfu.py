@@ -20,7 +20,9 @@ model FLOP utilisation, MFU; issue 30 item 1).
    base has no weight gradients: 4P instead of 6P. The context is the mean example length the result file records,
    else ``--context``.
 
-MFU = achieved / peak at the same dtype and thread count. The result files are read, not re-run: their date,
+MFU = achieved / the fp32 peak at the same thread count (the figure that compares runs), and beside it achieved /
+the peak of the run's own precision (a result file whose settings say ``bf16``: ours bf16 weights, TRL bf16
+autocast; how close that run came to what its dtype allows). The result files are read, not re-run: their date,
 command and threads are printed with every figure (re-measure them with the commands in bench/README.md).
 
     python bench/bench_mfu.py --threads 1 --out bench/results/bench_mfu.json
@@ -48,6 +50,8 @@ RESULTS = (
     "bench/results/bench_sft_dpo_smollm2_sft.json",
     "bench/results/bench_sft_dpo_smollm2_dpo.json",
     "bench/results/bench_reward_smollm2.json",
+    "bench/results/bench_sft_dpo_smollm2_prec_fp32.json",
+    "bench/results/bench_sft_dpo_smollm2_prec_bf16.json",
 )
 
 
@@ -132,6 +136,7 @@ def trainer_rows(paths: list[str], peaks: dict, default_context: float) -> list[
         with open(os.path.join(ROOT, path), encoding="utf-8") as f:
             result = json.load(f)
         threads = result.get("settings", {}).get("threads") or 1
+        dtype = "bf16" if result.get("settings", {}).get("bf16") else "fp32"
         for task, sides in result.get("summary", {}).items():
             data = result.get("data", {}).get(task, {})
             context = default_context
@@ -143,15 +148,18 @@ def trainer_rows(paths: list[str], peaks: dict, default_context: float) -> list[
                 per_token = flops_per_token(task, SMOLLM2, context, lora="lora" in side)
                 achieved = figures["tokens_per_second"] * per_token
                 peak = peaks.get(threads, {}).get("fp32", {}).get("peak_flops")
+                own_peak = peaks.get(threads, {}).get(dtype, {}).get("peak_flops")
                 rows.append(
                     {
                         "task": task,
                         "side": side,
                         "threads": threads,
+                        "precision": dtype,
                         "tokens_per_second": figures["tokens_per_second"],
                         "gflop_per_token": per_token / 1e9,
                         "achieved_gflops": achieved / 1e9,
                         "mfu_fp32": achieved / peak if peak else None,
+                        "mfu_own_dtype": achieved / own_peak if own_peak else None,
                         "measured": result.get("date"),
                         "result": path,
                     }
@@ -187,7 +195,9 @@ def main(argv=None) -> None:
               f"{row['step_mix_gflops']:.1f})")  # fmt: skip
     for r in rows:
         mfu = "n/a" if r["mfu_fp32"] is None else f"{100 * r['mfu_fp32']:.1f}%"
-        print(f"{r['task']:4s} {r['side']:10s} {r['threads']} thread(s): {r['achieved_gflops']:.1f} GFLOP/s, "
+        if r["precision"] != "fp32" and r["mfu_own_dtype"] is not None:
+            mfu += f" ({100 * r['mfu_own_dtype']:.1f}% of the {r['precision']} peak)"
+        print(f"{r['task']:4s} {r['side']:10s} {r['precision']} {r['threads']} thread(s): {r['achieved_gflops']:.1f} GFLOP/s, "
               f"MFU {mfu} (from {r['result']}, measured {r['measured']})")  # fmt: skip
     if args.out:
         write_report(
@@ -199,20 +209,25 @@ def main(argv=None) -> None:
                 "peak_shapes": {str(t): v for t, v in peaks.items()},
                 "trainers": rows,
                 "median_mfu_by_side": {
-                    side: statistics.median(r["mfu_fp32"] for r in rows if r["side"] == side and r["mfu_fp32"])
-                    for side in {r["side"] for r in rows if r["mfu_fp32"]}
+                    f"{side} {dtype}": statistics.median(
+                        r["mfu_fp32"] for r in rows if (r["side"], r["precision"]) == (side, dtype) and r["mfu_fp32"]
+                    )
+                    for side, dtype in {(r["side"], r["precision"]) for r in rows if r["mfu_fp32"]}
                 },
                 "table_markdown": markdown_table(
-                    "trainer | side | threads | tokens/s | GFLOP/token | GFLOP/s | MFU (fp32 peak)",
+                    "trainer | side | precision | threads | tokens/s | GFLOP/token | GFLOP/s | MFU (fp32 peak) | "
+                    "MFU (own precision's peak)",
                     [
                         [
                             r["task"],
                             r["side"],
+                            r["precision"],
                             r["threads"],
                             f"{r['tokens_per_second']:.1f}",
                             f"{r['gflop_per_token']:.3f}",
                             f"{r['achieved_gflops']:.1f}",
                             "n/a" if r["mfu_fp32"] is None else f"{100 * r['mfu_fp32']:.1f}%",
+                            "n/a" if r["mfu_own_dtype"] is None else f"{100 * r['mfu_own_dtype']:.1f}%",
                         ]
                         for r in rows
                     ],

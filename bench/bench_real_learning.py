@@ -637,7 +637,13 @@ def before_after(
     training run with its own evaluation at the end (the "after")."""
     base = os.path.join(a.workdir, task)
     os.makedirs(os.path.dirname(base), exist_ok=True)
-    common = {"save_strategy": "no", "report_to": "none", "seed": a.seed, **train_flags.pop("common", {})}
+    common = {
+        "save_strategy": "no",
+        "report_to": "none",
+        "seed": a.seed,
+        "bf16": "true" if a.precision == "bf16" else "false",  # training and evaluation alike
+        **train_flags.pop("common", {}),
+    }
     if a.eval_samples:
         common.setdefault("max_eval_samples", a.eval_samples)
     before_s = 0.0
@@ -910,8 +916,9 @@ def parser(description: str = __doc__) -> argparse.ArgumentParser:
         "--precision",
         choices=("fp32", "bf16"),
         default="fp32",
-        help="both sides: fp32 (TRL bf16=False), or bf16 (ours training.bf16, O2; TRL bf16=True, autocast, "
-        "which TRL's configs turn on by default, on a CPU too)",
+        help="every task: fp32, or bf16 (SFT / DPO / ORM / PRM: `bf16: true`, O1: bf16 autocast over fp32 "
+        "weights, training and evaluation; GRPO ours `training.bf16`, O2: bf16 weights, fp32 AdamW masters, TRL "
+        "bf16=True: autocast, which TRL's configs turn on by default, on a CPU too; fp32: TRL bf16=False)",
     )
     g.add_argument("--minutes", type=float, default=32.0, help="training wall budget per side")
     g.add_argument("--evals", type=int, default=5, help="checkpoints per side (every --minutes / --evals)")
