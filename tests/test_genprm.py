@@ -10,13 +10,14 @@ import os
 import pytest
 import torch
 
-from llm.alignment.rm.generative import CritiqueSettings, GenerativePRM, judge_pass
+from llm.alignment.rm.generative import CritiqueSettings, GenerativePRM, judge_batch, judge_pass
 from llm.alignment.rm.genprm_trainer import GenPRMTrainer, genprm_loss, item_weights
-from llm.data.encode_genprm import CRITIQUE, VERDICT, encode_genprm
+from llm.data.encode_genprm import CRITIQUE, VERDICT, encode_genprm, separator_ids, step_ids
 from llm.data.encoding import EncodeConfig, OverlongCounter
 from llm.data.packing import collate, pack
 from llm.data.readers import PRMRecord
 from llm.settings.reward import RewardTrainingArguments
+from llm.utils.attention import PACKED_SDPA
 from llm.utils.errors import UserError
 from tests.helpers import ROOT, read_json, read_jsonl, tiny_model, tokenizer
 
@@ -126,6 +127,37 @@ def test_a_pass_writes_the_critique_until_a_verdict_and_reads_p_plus_there():
     assert critiques == [[5]] and scores[0] == pytest.approx(torch.sigmoid(torch.tensor(-1.0)).item())
 
 
+def test_a_batch_of_passes_equals_each_pass_alone():
+    """judge_batch (left-padded prompts of different lengths, one token a forward for all) against judge_pass one
+    solution at a time: the same critiques and scores, greedy and sampled; on the packed kernel, which builds no
+    padding mask, the batch would read its padding (it runs on stock SDPA and switches back)."""
+    tok = tokenizer()
+    model = tiny_model("llama", seed=3).eval()
+    plus, minus = tok.convert_tokens_to_ids("+"), tok.convert_tokens_to_ids("-")
+    with torch.no_grad():  # verdict rows that win at some positions: critiques end early, at once, or at the cap
+        head = model.get_output_embeddings().weight
+        g = torch.Generator().manual_seed(0)
+        for t in (plus, minus):
+            head[t] = torch.randn(head.shape[1], generator=g) * head.std() * 3
+    problems = ["What is 2 * 3?\n", "Add 17 and 25, then halve it.\n", "Q\n", "What is 2 * 3?\n"]
+    solutions = [STEPS, ["17 + 25 = 42.", "42 / 2 = 21.", "The answer is 21."], [], ["x"]]
+    jobs = [(tok(p)["input_ids"], [step_ids(tok, s) for s in sol]) for p, sol in zip(problems, solutions)]
+    sep, pair = separator_ids(tok), (plus, minus)
+    lengths = set()
+    for temperature in (0.0, 1.0):
+        gens = [torch.Generator().manual_seed(100 + i) if temperature else None for i in range(len(jobs))]
+        alone = [judge_pass(model, p, s, pair, sep, 6, temperature, g) for (p, s), g in zip(jobs, gens)]
+        gens = [torch.Generator().manual_seed(100 + i) if temperature else None for i in range(len(jobs))]
+        together = judge_batch(model, jobs, pair, sep, 6, temperature, gens, tok.pad_token_id)
+        assert model.config._attn_implementation == PACKED_SDPA  # switched back
+        for (scores, critiques), (b_scores, b_critiques) in zip(alone, together):
+            assert b_critiques == critiques
+            assert b_scores == pytest.approx(scores, abs=1e-5)
+            lengths |= {len(c) for c in critiques}
+    assert alone[2] == ([], []) and together[2] == ([], [])  # no steps: nothing to judge
+    assert {0, 6} <= lengths and lengths - {0, 6}  # at once, at the cap and in between
+
+
 def test_k_sampled_critiques_are_averaged_and_seeded():
     model = tiny_model("llama", seed=2)
     tok = tokenizer()
@@ -138,6 +170,10 @@ def test_k_sampled_critiques_are_averaged_and_seeded():
     assert len({tuple(c) for c in j.critiques}) > 1  # the passes differ
     [again] = sampled.judge([tok("What is 2 * 3?\n")["input_ids"]], [STEPS])
     assert again.scores == j.scores
+    # passes one at a time: the same critiques (each pass has its own stream), the scores up to float rounding
+    one = GenerativePRM(model, tok, ids, CritiqueSettings(3, 3, 1.0, 7, batch_size=1))
+    [alone] = one.judge([tok("What is 2 * 3?\n")["input_ids"]], [STEPS])
+    assert alone.critiques == j.critiques and alone.scores == pytest.approx(j.scores, abs=1e-5)
 
 
 def test_ppo_reward_reads_the_generative_scores_through_the_interface():

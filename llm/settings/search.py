@@ -76,7 +76,7 @@ class PRMSection:
     dtype: str = _f("float32", "weights: float32 or bfloat16")
     placeholder_token: str = _f("ки", "discriminative: the step placeholder it was trained with (one token)")
     reward_tokens: str = _f("+,-", "discriminative: its label tokens 'positive,negative'")
-    micro_batch_size: int = _f(8, "solutions per forward", 1)
+    micro_batch_size: int = _f(8, "solutions per forward (generative: critique passes written together)", 1)
     critique_samples: int = _f(1, "generative: critiques per solution, their verdict probabilities averaged", 1)
     max_critique_tokens: int = _f(64, "generative: the most tokens of one step's critique", 0)
     critique_temperature: float = _f(0.0, "generative: sampling temperature of the critiques; 0: greedy", 0)

@@ -45,6 +45,7 @@ prompt between chosen and rejected; FlexAttention has no backward on CPU. Hence 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import itertools
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -394,6 +395,21 @@ def _packed_kernel(query, key, value, packed_attention: PackedAttention, scaling
 
 
 AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
+
+
+@contextlib.contextmanager
+def standard_attention(model):
+    """Padded batches over a KV cache (``generate``, a generative PRM's critiques) on stock SDPA, then back. With
+    ``packed_sdpa`` transformers builds no mask at all (a registered attention without a mask function gets
+    none), so a left-padded row would attend to its padding; a model on another implementation is left as it is."""
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) != PACKED_SDPA:
+        yield
+        return
+    model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(PACKED_SDPA)
 
 
 def flex_block_mask(packed: PackedAttention, device: torch.device | str):

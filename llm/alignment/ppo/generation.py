@@ -11,17 +11,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from llm.alignment.ppo.fsdp import gathered_for_decoding, sharded
-from llm.utils.attention import PACKED_SDPA
-
-
-@contextlib.contextmanager
-def standard_attention(model: PreTrainedModel):
-    """``generate`` pads prompts and uses a KV cache: run it on stock SDPA, then switch back."""
-    model.set_attn_implementation("sdpa")
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(PACKED_SDPA)
+from llm.utils.attention import standard_attention
 
 
 class SampledLogProbs:

@@ -7,12 +7,18 @@ token at a time with the KV cache, until it writes a reward token or has written
 the step's score is ``softmax([logit(+), logit(-)])[0]``, the discriminative PRM's reading at its placeholder. The
 verdict the model wrote (or, at the cap, the likelier of the two) and the separator follow, and the next step
 reads the critiques and verdicts before it. With ``samples`` k > 1 the solution gets k independent passes and a
-step's score is the mean of its k probabilities (GenPRM / ThinkPRM's averaged verifications). Each solution is
-seeded by the seed and its index in the call, so its critiques do not depend on the others.
+step's score is the mean of its k probabilities (GenPRM / ThinkPRM's averaged verifications). Each pass is seeded
+by the seed, its solution's index in the call and the pass, so its critiques do not depend on the others.
+
+``judge`` runs up to ``batch_size`` passes together (``judge_batch``): one left-padded forward over their first
+pieces, then one forward per token for all of them, each pass feeding its own next token (its prompt, step,
+verdict and separator ids, or the critique token it picked); a pass that is done feeds padding, masked out. The
+scores are ``judge_pass``'s, one pass at a time, up to float rounding of the batched forward.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,6 +29,7 @@ from llm.alignment.rm.scoring import DTYPES, register_step_scorer
 from llm.data.encode_genprm import separator_ids, step_ids
 from llm.data.encoding import single_token_id
 from llm.settings.shared import reward_token_pair
+from llm.utils.attention import standard_attention
 from llm.utils.errors import UserError
 from llm.utils.modeling import load_model, load_tokenizer
 
@@ -33,12 +40,13 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class CritiqueSettings:
     """How the critiques are written: ``samples`` passes per solution, at most ``max_tokens`` per critique, at
-    ``temperature`` (0: greedy), seeded by ``seed``."""
+    ``temperature`` (0: greedy), seeded by ``seed``; ``batch_size`` passes generate together."""
 
     samples: int = 1
     max_tokens: int = 64
     temperature: float = 0.0
     seed: int = 0
+    batch_size: int = 16
 
 
 @dataclass
@@ -110,6 +118,77 @@ def judge_pass(
     return scores, critiques
 
 
+@torch.no_grad()
+def judge_batch(
+    model,
+    jobs: list[tuple[list[int], list[list[int]]]],
+    reward_ids: tuple[int, int],
+    separator: list[int],
+    max_tokens: int,
+    temperature: float = 0.0,
+    generators: list[torch.Generator | None] | None = None,
+    pad_id: int = 0,
+) -> list[tuple[list[float], list[list[int]]]]:
+    """``judge_pass`` for every job ``(prompt_ids, steps)`` at once (module docstring); ``generators[i]`` samples
+    job i's critiques."""
+    with standard_attention(model):
+        return _judge_batch(model, jobs, reward_ids, separator, max_tokens, temperature, generators, pad_id)
+
+
+def _judge_batch(model, jobs, reward_ids, separator, max_tokens, temperature, generators, pad_id):
+    pair = list(reward_ids)
+    device = next(model.parameters()).device
+    results: list[tuple[list[float], list[list[int]]]] = [([], []) for _ in jobs]
+    live = [i for i, (_, steps) in enumerate(jobs) if steps]
+    if not live:
+        return results
+    gens = generators or [None] * len(jobs)
+    first = [list(jobs[i][0]) + list(jobs[i][1][0]) for i in live]
+    width = max(len(f) for f in first)
+    ids = torch.tensor([[pad_id] * (width - len(f)) + f for f in first], device=device)
+    mask = torch.tensor([[0] * (width - len(f)) + [1] * len(f) for f in first], device=device)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True)
+    cache, logits = out.cache, out.logits[:, -1].float()
+    length = [len(f) for f in first]  # real tokens fed so far, per row
+    step = [0] * len(live)
+    queue: list[deque[int]] = [deque() for _ in live]
+    critique: list[list[int]] = [[] for _ in live]
+    done = [False] * len(live)
+    while True:
+        feed = []
+        for r, i in enumerate(live):
+            token = None
+            if not done[r] and queue[r]:
+                token = queue[r].popleft()
+            elif not done[r]:  # a reading point: the critique goes on, or the verdict is read here
+                steps, row = jobs[i][1], logits[r]
+                if len(critique[r]) >= max_tokens:
+                    token, verdict = pair[int(row[pair].argmax())], True
+                else:
+                    token = _pick(row, temperature, gens[i])
+                    verdict = token in pair
+                if verdict:
+                    results[i][0].append(float(torch.softmax(row[pair], -1)[0]))
+                    results[i][1].append(critique[r])
+                    critique[r], step[r] = [], step[r] + 1
+                    if step[r] == len(steps):
+                        done[r], token = True, None
+                    else:
+                        queue[r].extend([token, *separator, *steps[step[r]]])
+                        token = queue[r].popleft()
+                else:
+                    critique[r].append(token)
+            feed.append(token)
+        if all(done):
+            return results
+        new = torch.tensor([[pad_id if t is None else t] for t in feed], device=device)
+        mask = torch.cat([mask, torch.tensor([[0 if t is None else 1] for t in feed], device=device)], 1)
+        positions = torch.tensor([[n] for n in length], device=device)
+        out = model(input_ids=new, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+        cache, logits = out.cache, out.logits[:, -1].float()
+        length = [n + (t is not None) for n, t in zip(length, feed)]
+
+
 class GenerativePRM:
     """A causal LM trained with ``prm_kind: generative``: ``judge`` writes the critiques and reads the verdicts."""
 
@@ -133,26 +212,41 @@ class GenerativePRM:
         model = (model.to("cuda") if torch.cuda.is_available() else model).eval()
         tokens = reward_token_pair(s.reward_tokens, "prm.reward_tokens")
         ids = reward_ids(tok, tokens, model, "prm.reward_tokens")
-        settings = CritiqueSettings(s.critique_samples, s.max_critique_tokens, s.critique_temperature, seed)
+        settings = CritiqueSettings(
+            s.critique_samples, s.max_critique_tokens, s.critique_temperature, seed, s.micro_batch_size
+        )
         return cls(model, tok, ids, settings)
 
     def judge(self, prompt_ids: list[list[int]], steps: list[list[str]]) -> list[Judgement]:
         """Every solution judged (``prompt_ids[i]``: the ids before solution i, as the PRM was trained on)."""
         s, tok = self.settings, self.tokenizer
         separator = separator_ids(tok)
+        jobs = [
+            (i, k, prompt, [step_ids(tok, step) for step in solution])
+            for i, (prompt, solution) in enumerate(zip(prompt_ids, steps))
+            for k in range(s.samples)
+        ]
+        passes = []
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        for start in range(0, len(jobs), max(1, s.batch_size)):
+            chunk = jobs[start : start + max(1, s.batch_size)]
+            generators = [pass_generator(s, i, k) for i, k, _, _ in chunk]
+            passes += judge_batch(
+                self.model,
+                [(prompt, ids) for _, _, prompt, ids in chunk],
+                self.reward_token_ids,
+                separator,
+                s.max_tokens,
+                s.temperature,
+                generators,
+                pad,
+            )
         out = []
-        for i, (prompt, solution) in enumerate(zip(prompt_ids, steps)):
-            ids = [step_ids(tok, step) for step in solution]
-            generator = torch.Generator().manual_seed(s.seed * 1_000_003 + i) if s.temperature > 0 else None
-            passes = [
-                judge_pass(
-                    self.model, prompt, ids, self.reward_token_ids, separator, s.max_tokens, s.temperature, generator
-                )
-                for _ in range(s.samples)
-            ]
-            scores = [sum(p[0][k] for p in passes) / len(passes) for k in range(len(solution))]
-            texts = [[tok.decode(c, skip_special_tokens=True) for c in p[1]] for p in passes]
-            out.append(Judgement(scores, texts, [p[0] for p in passes]))
+        for i, solution in enumerate(steps):
+            mine = passes[i * s.samples : (i + 1) * s.samples]
+            scores = [sum(p[0][k] for p in mine) / len(mine) for k in range(len(solution))]
+            texts = [[tok.decode(c, skip_special_tokens=True) for c in p[1]] for p in mine]
+            out.append(Judgement(scores, texts, [p[0] for p in mine]))
         return out
 
     def score_steps(self, problems: list[str], steps: list[list[str]]) -> list[list[float]]:
@@ -163,6 +257,11 @@ class GenerativePRM:
 
 
 register_step_scorer("generative")(GenerativePRM)
+
+
+def pass_generator(s: CritiqueSettings, solution: int, k: int) -> torch.Generator | None:
+    """Pass ``k`` of solution ``solution``'s sampling stream (None when greedy)."""
+    return torch.Generator().manual_seed((s.seed * 1_000_003 + solution) * 1_009 + k) if s.temperature > 0 else None
 
 
 def reward_ids(tokenizer: PreTrainedTokenizerBase, tokens: tuple[str, str], model, field: str) -> tuple[int, int]:

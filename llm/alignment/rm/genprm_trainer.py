@@ -114,7 +114,11 @@ class GenPRMTrainer(RewardTrainer):
         chat = self.run.use_chat_template if self.run is not None else False
         prompts = [render_prompt(r.prompt, tok, chat) if r.prompt else start_ids(tok) for r in records]
         settings = CritiqueSettings(
-            args.critique_samples, args.max_critique_tokens, args.critique_temperature, args.seed
+            args.critique_samples,
+            args.max_critique_tokens,
+            args.critique_temperature,
+            args.seed,
+            args.per_device_eval_batch_size,
         )
         scorer = GenerativePRM(self.model, tok, tuple(self.reward_token_ids), settings)
         was_training = self.model.training

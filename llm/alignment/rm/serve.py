@@ -296,7 +296,9 @@ def build_scorer(model_args, training_args, serve_args: ServeArgument, max_token
         from llm.alignment.rm.generative import CritiqueSettings, GenerativePRM
 
         t = training_args
-        settings = CritiqueSettings(t.critique_samples, t.max_critique_tokens, t.critique_temperature, t.seed)
+        settings = CritiqueSettings(
+            t.critique_samples, t.max_critique_tokens, t.critique_temperature, t.seed, serve_args.micro_batch_size
+        )
         judge = GenerativePRM(model, tokenizer, ids, settings)
         prm = GenerativePRMReward(
             model, tokenizer, tokenizer, serve_args.step_separator, judge, serve_args.prm_aggregation

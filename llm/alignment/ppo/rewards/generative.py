@@ -41,7 +41,10 @@ class GenerativePRMReward(PRMReward):
                 "rank writes critiques of its own length); give the reward model one device"
             )
         model = load_frozen(c, AutoModelForCausalLM, r.model_name_or_path, r.init_from_config, tok, place, r.dtype)
-        settings = CritiqueSettings(r.critique_samples, r.max_critique_tokens, r.critique_temperature, c.training.seed)
+        micro = r.micro_batch_size or c.training.micro_batch_size  # passes that write their critiques together
+        settings = CritiqueSettings(
+            r.critique_samples, r.max_critique_tokens, r.critique_temperature, c.training.seed, micro
+        )
         scorer = GenerativePRM(model, tok, reward_ids(tok, r.label_tokens, model, "reward.reward_tokens"), settings)
         prm = cls(model, tok, run.tokenizer, r.step_separator, scorer, r.prm_aggregation)
         return offload_idle(c, prm, model, "reward", place, ("score",))
