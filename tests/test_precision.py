@@ -49,6 +49,7 @@ from llm.settings.dpo import DPOTrainingArguments
 from llm.settings.flat import ModelArgument
 from llm.settings.load import parse_ppo_config
 from llm.settings.reward import RewardModelArgument, RewardTrainingArguments
+from llm.utils import precision as precision_module
 from llm.utils.errors import UserError
 from llm.utils.precision import MasterWeightAdamW
 from tests.helpers import ROOT, reward_trainer, tiny_model, tokenizer
@@ -451,6 +452,28 @@ def test_master_weight_adamw_is_adamw_for_fp32_and_on_the_masters_for_bf16():
     for p, s in zip(half.parameters(), shadow):
         master = opt_half.state[p]["master"]
         assert p.dtype == torch.bfloat16 and torch.equal(master, s) and torch.equal(p, s.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("chunk", [1 << 24, 1])
+def test_fused_master_weight_adamw_is_torchs_fused_adamw_on_the_masters(monkeypatch, chunk):
+    """fused=True (what the PPO roles ask for on a CPU): one fused kernel over the masters, in chunks of
+    FUSED_CHUNK parameters (1: a call per parameter), bit for bit torch's fused AdamW on fp32 shadows."""
+    monkeypatch.setattr(precision_module, "FUSED_CHUNK", chunk)
+    half = tiny_model(seed=1).to(torch.bfloat16)
+    shadow = [p.detach().float().requires_grad_() for p in half.parameters()]
+    opt_half = MasterWeightAdamW(half.parameters(), fused=True, **ADAMW)
+    opt_shadow = torch.optim.AdamW(shadow, fused=True, **ADAMW)
+    for step in range(3):
+        _loss(half, step).backward()
+        for p, s in zip(half.parameters(), shadow):
+            s.grad = p.grad.float()
+        for opt in (opt_half, opt_shadow):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    for p, s in zip(half.parameters(), shadow):
+        state = opt_half.state[p]
+        assert torch.equal(state["master"], s) and torch.equal(p, s.to(torch.bfloat16))
+        assert float(state["step"]) == 3.0 and state["exp_avg"].dtype == torch.float32
 
 
 def test_master_weights_keep_updates_below_bf16_resolution_and_survive_a_reload():

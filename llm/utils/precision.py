@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.optim.adam import adam
 
 _FP32_STATE = ("master", "exp_avg", "exp_avg_sq")  # the fp32 state of a half-precision parameter
 
@@ -55,6 +56,9 @@ def load_keeping_implementation(optimizer: torch.optim.Optimizer, load, state_di
     load(state_dict)
     for group, flags in zip(optimizer.param_groups, own):
         group.update(flags)
+
+
+FUSED_CHUNK = 1 << 24  # master parameters per fused call: bounds the fp32 copies of their bf16 gradients (64 MB)
 
 
 class MasterWeightAdamW(torch.optim.AdamW):
@@ -92,17 +96,57 @@ class MasterWeightAdamW(torch.optim.AdamW):
         finally:
             for _, p, grad in half:
                 p.grad = grad
-        for group, p, grad in half:
-            self._master_step(group, p, self.master_grads.get(p, grad))
+        chunk: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i, (group, p, grad) in enumerate(half):
+            grad = self.master_grads.get(p, grad)
+            if not group.get("fused"):
+                self._master_step(group, p, grad)
+                continue
+            chunk.append((p, grad))
+            last = i + 1 == len(half) or half[i + 1][0] is not group
+            if last or sum(q.numel() for q, _ in chunk) >= FUSED_CHUNK:
+                self._fused_master_steps(group, chunk)
+                chunk = []
         self.master_grads.clear()
 
-    def _master_step(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> None:
+    def _master_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
         if "master" not in state:  # the first step, or a state saved by torch's AdamW (bf16 moments, no master)
             state["master"] = p.detach().to(torch.float32, copy=True)
             state.setdefault("step", torch.tensor(0.0))
             for name in ("exp_avg", "exp_avg_sq"):
                 state[name] = state[name].float() if name in state else torch.zeros_like(state["master"])
+        return state
+
+    def _fused_master_steps(self, group: dict, items: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """torch's fused AdamW kernel over the fp32 masters of ``items`` (parameter, gradient) at once, then each
+        master copied, rounded, into its parameter: the update of torch's ``AdamW(fused=True)`` on fp32 weights fed
+        the same gradients, without the per-parameter loop of ``_master_step`` (on a CPU that loop took as long as
+        torch's unfused AdamW, ~0.5 s a step at 135M parameters)."""
+        states = [self._master_state(p) for p, _ in items]
+        beta1, beta2 = group["betas"]
+        adam(
+            [s["master"] for s in states],
+            [g.to(torch.float32) for _, g in items],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [],
+            [s["step"] for s in states],  # incremented by the call
+            fused=True,
+            decoupled_weight_decay=True,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
+        for (p, _), s in zip(items, states):
+            p.copy_(s["master"])
+
+    def _master_step(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> None:
+        state = self._master_state(p)
         master, exp_avg, exp_avg_sq = state["master"], state["exp_avg"], state["exp_avg_sq"]
         state["step"] += 1
         step = float(state["step"])

@@ -45,10 +45,9 @@ class HostAdamW(torch.optim.AdamW):
         self.masters = [
             torch.nn.Parameter(_local(p).detach().to(self.host, torch.float32, copy=True)) for p in self.params
         ]
-        # fused as the plain role's AdamW for fp32 parameters; for half-precision ones the loop, whose arithmetic
-        # is MasterWeightAdamW's hand-written master step (so either resumes the other's state exactly)
-        fused = fused_if_possible(self.params) if all(p.dtype == torch.float32 for p in self.params) else {}
-        super().__init__(self.masters, **fused, **adamw)
+        # fused as the plain role's AdamW, whose MasterWeightAdamW steps bf16 parameters' masters with the same
+        # fused kernel (so either resumes the other's state exactly)
+        super().__init__(self.masters, **fused_if_possible(self.masters), **adamw)
 
     @torch.no_grad()
     def step(self, closure=None):
