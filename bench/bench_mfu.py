@@ -16,7 +16,10 @@ model FLOP utilisation, MFU; issue 30 item 1).
    Per trainer: SFT trains the decoder and the LM head on every token (6 x (P_layers + P_head)); an ORM the decoder
    and a one-row score head (6 x P_layers); a PRM the decoder, with the LM head only at the step placeholders
    (6 x P_layers; the readout is a few rows); DPO the policy on both responses (6 x (P_layers + P_head)) plus the
-   frozen reference's forward (2 x (P_layers + P_head)) unless its log-probs were precomputed. A LoRA side's frozen
+   frozen reference's forward (2 x (P_layers + P_head)) unless its log-probs were precomputed (the result file's
+   ``precompute_ref_log_probs``: then the timed steps do not run it). The LM head counts at every token (model
+   FLOPs, as PaLM's MFU): our SFT and DPO compute it at the answer tokens only (the readout), so their hardware
+   FLOPs are up to ~10% fewer than counted here. A LoRA side's frozen
    base has no weight gradients: 4P instead of 6P. The context is the mean example length the result file records,
    else ``--context``.
 
@@ -115,7 +118,7 @@ def measure_peak(threads: int, dtypes: list[str], tokens: int, repeats: int) -> 
     return out
 
 
-def flops_per_token(task: str, m: dict, context: float, lora: bool = False) -> float:
+def flops_per_token(task: str, m: dict, context: float, lora: bool = False, reference: bool = True) -> float:
     """Training FLOPs per token (module docstring). ``lora``: the frozen base computes no weight gradients, so its
     backward is the input gradients only (2P, not 4P); the rank-r adapters' own products are left out (< 1%)."""
     layers, head = layer_weights(m), head_weights(m)
@@ -123,8 +126,8 @@ def flops_per_token(task: str, m: dict, context: float, lora: bool = False) -> f
     train = 4 if lora else 6
     if task == "sft":
         return train * (layers + head) + 3 * attention
-    if task == "dpo":
-        return train * (layers + head) + 3 * attention + 2 * (layers + head) + attention
+    if task == "dpo":  # the reference's forward unless its log-probs were precomputed before the timed steps
+        return train * (layers + head) + 3 * attention + (2 * (layers + head) + attention if reference else 0)
     if task in ("orm", "prm"):
         return train * layers + 3 * attention
     raise ValueError(task)
@@ -145,7 +148,8 @@ def trainer_rows(paths: list[str], peaks: dict, default_context: float) -> list[
             for side, figures in sides.items():
                 if not isinstance(figures, dict) or "tokens_per_second" not in figures or side.startswith("ratio"):
                     continue
-                per_token = flops_per_token(task, SMOLLM2, context, lora="lora" in side)
+                reference = not data.get("precompute_ref_log_probs", False)
+                per_token = flops_per_token(task, SMOLLM2, context, lora="lora" in side, reference=reference)
                 achieved = figures["tokens_per_second"] * per_token
                 peak = peaks.get(threads, {}).get("fp32", {}).get("peak_flops")
                 own_peak = peaks.get(threads, {}).get(dtype, {}).get("peak_flops")

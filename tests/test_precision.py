@@ -529,3 +529,12 @@ def test_fp16_o2_needs_adamw(tmp_path):
     assert weights_dtype(args) == torch.float16
     with pytest.raises(UserError, match="needs AdamW"):
         validate_arguments(ModelArgument(model_name_or_path=TINY_LLAMA), DataArgument(), args)
+
+
+def test_an_fp32_run_on_a_cpu_with_native_bf16_gets_a_hint_and_keeps_fp32(monkeypatch):
+    monkeypatch.setattr(precision_module, "cpu_has_bf16", lambda: True)
+    assert "bf16: true" in precision_module.cpu_bf16_hint(False, False, True)
+    assert precision_module.cpu_bf16_hint(True, False, True) is None  # already bf16
+    assert precision_module.cpu_bf16_hint(False, True, True) is None  # fp16
+    monkeypatch.setattr(precision_module, "cpu_has_bf16", lambda: False)
+    assert precision_module.cpu_bf16_hint(False, False, True) is None  # emulated bf16 is slower: no hint

@@ -35,6 +35,7 @@ from llm.utils.attention import kernel_for
 from llm.utils.lora import apply_lora, quantization_config
 from llm.utils.memory import release_between_layers
 from llm.utils.modeling import RESUMING, count_parameters
+from llm.utils.precision import cpu_bf16_hint
 from llm.utils.preemption import SaveOnSignal
 
 logger = logging.getLogger(__name__)
@@ -127,6 +128,9 @@ def build_trainer(recipe: Recipe) -> tuple[AlignmentTrainer, PackedData | None, 
         count_parameters(model) / 1e6,
         plan_summary(train, data_args),
     )
+    hint = cpu_bf16_hint(training_args.bf16, training_args.fp16, training_args.use_cpu)
+    if hint and training_args.do_train:
+        logger.info(hint)
     trainer = recipe.trainer_class(
         model=model,
         args=training_args,
