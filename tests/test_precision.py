@@ -538,3 +538,36 @@ def test_an_fp32_run_on_a_cpu_with_native_bf16_gets_a_hint_and_keeps_fp32(monkey
     assert precision_module.cpu_bf16_hint(False, True, True) is None  # fp16
     monkeypatch.setattr(precision_module, "cpu_has_bf16", lambda: False)
     assert precision_module.cpu_bf16_hint(False, False, True) is None  # emulated bf16 is slower: no hint
+
+
+def test_models_given_to_build_from_models_follow_training_bf16(tmp_path):
+    """The programmatic API casts as the loader does: training.bf16 puts policy, critic and (no dtype of their
+    own) reference and reward in bf16, with fp32 AdamW masters; a frozen role's dtype wins; without bf16 the
+    models stay as given (fp32)."""
+    from transformers import AutoModelForSequenceClassification as SeqCls
+
+    from llm.alignment.ppo.build import build_from_models
+    from llm.alignment.ppo.prompts import Prompt
+
+    prompts = [Prompt(p, "", None) for p in fixed_samples(n=2).prompt_ids]
+
+    def models():
+        return [tiny_model(seed=0), tiny_model(seed=1)] + [
+            tiny_model(seed=s, auto_class=SeqCls, num_labels=1) for s in (2, 3)
+        ]
+
+    for bf16, ref_dtype, want in (
+        (True, None, (torch.bfloat16,) * 4),
+        (True, "float32", (torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16)),
+        (False, None, (torch.float32,) * 4),
+    ):
+        c = parse_ppo_config([ppo_config(tmp_path, training={"bf16": bf16}, ref={"dtype": ref_dtype})])
+        policy, ref, critic, reward = models()
+        trainer = build_from_models(c, prompts, tokenizer(), policy, ref, critic, reward)
+        got = tuple(next(m.parameters()).dtype for m in (policy, ref, critic, reward))
+        assert got == want, (bf16, ref_dtype, got)
+        if bf16:
+            trainer.actor.model.lm_head.weight.grad = torch.zeros_like(trainer.actor.model.lm_head.weight)
+            trainer.actor.optim.step()
+            master = trainer.actor.optim.optimizer.state[trainer.actor.model.lm_head.weight]["master"]
+            assert master.dtype == torch.float32

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from llm.alignment.ppo.context import PPOContext
-from llm.alignment.ppo.loading import Place, load, offload_idle, optimizer_for
+from llm.alignment.ppo.loading import Place, load, model_dtype, offload_idle, optimizer_for
 from llm.alignment.ppo.lora import ActorBase, with_lora
 from llm.alignment.ppo.prompts import Prompt, prompts_from_records
 from llm.alignment.ppo.rewards import ORMReward, RewardFunction, build_rewards, reward_type, same_vocabulary
@@ -271,10 +271,23 @@ def build_from_models(
     ``critic`` (trained) a sequence-classification model with one label, ``reward`` an ORM (a
     sequence-classification model read at the last response token) of ``reward_tokenizer`` (default
     ``tok``); the config gives every setting (micro-batch sizes, optimizer, algorithm), not the models.
-    ``ref`` and ``reward`` are put in eval mode. Responses end at the tokenizer's EOS or
+    ``ref`` and ``reward`` are put in eval mode. ``training.bf16`` puts policy and critic in bf16 (fp32 AdamW
+    masters), and ref and reward unless their own ``dtype`` says otherwise, as ``build_role`` loads them; a frozen
+    role's ``dtype`` applies either way. Responses end at the tokenizer's EOS or
     one of ``policy.generation_config``'s EOS ids (``PPOContext.stop_ids``' rule). ``ref`` None with a peft ``policy``: the policy's own base
     with the adapter disabled (lora.py's ``ActorBase``); not used without a KL term (``algorithm.uses_reference``)."""
     a, micro, place = c.actor_rollout, c.micro, Place()
+    # the dtypes build_role loads with: training.bf16 puts the trained models in bf16 (AdamW keeps fp32 masters),
+    # the frozen ones as their own dtype says, else as the trained ones; without either the models stay as given
+    if c.training.bf16:
+        policy, critic = policy.to(model_dtype(c)), critic.to(model_dtype(c))
+    frozen = {"ref": ref, "reward": reward}
+    for name, model in frozen.items():
+        section = getattr(c, name, None)
+        dtype = getattr(section, "dtype", None)
+        if model is not None and (c.training.bf16 or dtype):
+            frozen[name] = model.to(model_dtype(c, dtype))
+    ref, reward = frozen["ref"], frozen["reward"]
     actor = ActorRole(
         policy,
         tok,
