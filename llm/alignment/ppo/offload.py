@@ -48,13 +48,20 @@ class HostAdamW(torch.optim.AdamW):
         # fused as the plain role's AdamW, whose MasterWeightAdamW steps bf16 parameters' masters with the same
         # fused kernel (so either resumes the other's state exactly)
         super().__init__(self.masters, **fused_if_possible(self.masters), **adamw)
+        self.host_grads: list[torch.Tensor | None] = [None] * len(self.params)  # fp32 gradients, reused
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("HostAdamW.step takes no closure")
-        for p, m in zip(self.params, self.masters):
-            m.grad = None if p.grad is None else _local(p.grad).to(self.host, torch.float32, copy=True)  # D2H
+        for i, (p, m) in enumerate(zip(self.params, self.masters)):
+            if p.grad is None:
+                m.grad = None
+                continue
+            g = _local(p.grad)
+            if self.host_grads[i] is None or self.host_grads[i].shape != g.shape:
+                self.host_grads[i] = torch.empty(g.shape, dtype=torch.float32, device=self.host)
+            m.grad = self.host_grads[i].copy_(g)  # D2H and upcast into a buffer kept across steps (no page faults)
         super().step()
         for p, m in zip(self.params, self.masters):
             _local(p).copy_(m, non_blocking=True)  # H2D (cast to the model's dtype)
