@@ -1,5 +1,6 @@
 """The PRM-guided search on the vLLM engine (``policy.engine: vllm``): steps end at the marker as on the Hugging Face
-engine, and a greedy search gives the same trees on both. Run in ``.venv-vllm`` by scripts/test.sh (as
+engine, and a greedy search gives the same trees on both; the critique maker's judge (``engine: vllm``) writes the
+same critiques on both. Run in ``.venv-vllm`` by scripts/test.sh (as
 tests/test_vllm_rollout.py: there a missing vLLM fails, elsewhere these tests skip saying so)."""
 
 from __future__ import annotations
@@ -71,3 +72,49 @@ def test_a_greedy_search_is_the_same_on_both_engines(tmp_path):
                         for r in read_jsonl(out / "search_results.jsonl")]  # fmt: skip
         assert json.loads((out / "search_metrics.json").read_text())["problems"] == 2
     assert runs["hf"] == runs["vllm"]
+
+
+def test_a_greedy_judge_writes_the_same_critiques_on_both_engines(tmp_path):
+    """The critique maker's judge (llm/run_critiques.py, issue 29 item 1): greedy on vLLM it writes what it writes on
+    Hugging Face generate, prompt by prompt (the raw texts, before a verdict token or an empty first line sends a
+    critique back to its template); and a run of the maker on each engine writes the same file."""
+    from llm.alignment.critique.run import build_judge
+    from llm.run_critiques import main as make_critiques
+    from llm.settings.critiques import CritiqueArguments
+
+    judge_dir = tmp_path / "judge"
+    tiny_model(head_dim=32).config.save_pretrained(judge_dir)  # weights drawn from the seed in each run
+    tokenizer().save_pretrained(judge_dir)
+    prompts = ["Is the step 2 + 3 = 5 right?", "Check: 4 - 1 = 3.", "hi"]
+    texts = {}
+    for engine in ("hf", "vllm"):
+        args = CritiqueArguments(
+            judge_model_name_or_path=str(judge_dir), init_from_config=True, engine=engine, temperature=0.0,
+            max_new_tokens=8, output_dir=str(tmp_path / f"unused_{engine}"),
+        )  # fmt: skip
+        texts[engine] = build_judge(args)(prompts, 7)
+    assert len(texts["hf"]) == 3 and all(t.strip() for t in texts["hf"])
+    assert texts["hf"] == texts["vllm"]
+    rows = [
+        {"src": ["What is 2 + 3?"], "tgt": [], "responses": ["2 + 3 = 5.", "The answer is 6."], "labels": ["+", "-"]},
+        {"src": ["Tom has 4 apples and eats 1."], "tgt": [], "responses": ["4 - 1 = 3."], "labels": ["+"]},
+    ]
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    made, reports = {}, {}
+    for engine in ("hf", "vllm"):
+        out = tmp_path / engine
+        make_critiques([
+            f"{ROOT}/llm/config/tiny/critiques_argument.json",
+            "--data_path", str(data),
+            "--judge_model_name_or_path", str(judge_dir),
+            "--init_from_config", "true",
+            "--engine", engine,
+            "--temperature", "0",
+            "--max_new_tokens", "8",
+            "--output_dir", str(out),
+        ])  # fmt: skip
+        made[engine] = [r["critiques"] for r in read_jsonl(out / "critiques.jsonl")]
+        reports[engine] = json.loads((out / "report.json").read_text())
+    assert [len(c) for c in made["hf"]] == [2, 1] and made["hf"] == made["vllm"]
+    assert reports["hf"] == reports["vllm"] and "template_critiques" not in reports["hf"]  # every step judged
