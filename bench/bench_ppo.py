@@ -373,6 +373,12 @@ def main() -> None:
         "reference and reward stay fp32). Without it both sides are fp32: TRL's PPOTrainer ignores its "
         "config's bf16 (default True) and runs fp32",
     )
+    p.add_argument(
+        "--same-allocator",
+        action="store_true",
+        help="both sides with the glibc settings ours makes by itself (llm.utils.memory.keep_freed_memory) set in "
+        "their environment: TRL gets freed memory kept for reuse too (without it TRL runs on glibc's defaults)",
+    )
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
@@ -416,7 +422,9 @@ def main() -> None:
         return
     if a.quick:
         a.batch, a.response_len, a.steps, a.repeats, a.hidden = 8, 16, 2, 1, 128
-    env = worker_env(a.threads)
+    from llm.utils.memory import keep_environment
+
+    env = worker_env(a.threads, **(keep_environment() if a.same_allocator else {}))
     with tempfile.TemporaryDirectory(prefix="bench_ppo_") as workdir:
 
         def run(side, rep):  # repeat k: seed + k on both sides
@@ -430,6 +438,7 @@ def main() -> None:
     print(
         f"PPO step ({a.mode}), B={a.batch} {prompts}, responses <= {a.response_len} tokens ({cap}, EOS bias "
         f"{a.eos_bias}), {model}, {'bf16 (see --bf16)' if a.bf16 else 'fp32'}, {a.threads} threads, "
+        f"{'both sides with our allocator settings, ' if a.same_allocator else ''}"
         f"median of {a.repeats} runs x {a.steps - 1} steps; ours generates with {a.engine}, its old log-probs "
         + ("recomputed by a forward" if a.recompute_logprobs else "from the generation's logits")
     )

@@ -33,7 +33,7 @@ from llm.data.prepare import PackedData, Split, plan_summary, train_and_dev
 from llm.settings.flat import recompute_mode
 from llm.utils.attention import kernel_for
 from llm.utils.lora import apply_lora, quantization_config
-from llm.utils.memory import release_between_layers
+from llm.utils.memory import keep_freed_memory, release_between_layers
 from llm.utils.modeling import RESUMING, count_parameters
 from llm.utils.precision import cpu_bf16_hint
 from llm.utils.preemption import SaveOnSignal
@@ -118,6 +118,8 @@ def build_trainer(recipe: Recipe) -> tuple[AlignmentTrainer, PackedData | None, 
         model = apply_lora(model, model_args, recipe.lora_task, recipe.lora_head_rows())
     if training_args.recompute or model_args.lora:  # glibc's freed heap goes back between layers (memory.py)
         release_between_layers(model)
+    else:  # not saving memory: freed memory is kept for reuse, not faulted in again each step (memory.py)
+        keep_freed_memory(recipe.task)
     objects = recipe.model_objects(model, tokenizer)
     train, dev = train_and_dev(data_args, training_args, recipe.read_split)
     objects.update(recipe.data_objects(train, dev))

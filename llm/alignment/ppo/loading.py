@@ -15,7 +15,7 @@ from llm.alignment.ppo.offload import OffloadedTrainableRole, offload_when_idle
 from llm.alignment.ppo.optim import TrainableRole
 from llm.utils.distributed import Layout
 from llm.utils.errors import UserError
-from llm.utils.memory import release_between_layers
+from llm.utils.memory import keep_freed_memory, release_between_layers
 from llm.utils.modeling import load_model
 
 if TYPE_CHECKING:
@@ -76,6 +76,12 @@ def load_frozen(c: PPOConfig, auto_class: type, path: str, from_config: bool, to
     return load(c, auto_class, path, from_config, tok, place, False, dtype, **kw)
 
 
+def activation_checkpointed(model) -> bool:
+    """Whether ``model`` (a transformers model, peft-wrapped or not) recomputes its activations in backward."""
+    flag = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.x; the old name warns
+    return bool(getattr(model, "is_gradient_checkpointing", False) if flag is None else flag)
+
+
 def optimizer_for(c: PPOConfig, model, role: str, place: Place) -> TrainableRole:
     """The trained role's optimizer: each setting the role's own value, else training's; on the host with
     ``training.adam_offload`` (when there is a device to leave)."""
@@ -104,6 +110,8 @@ def optimizer_for(c: PPOConfig, model, role: str, place: Place) -> TrainableRole
         c.optim(role, "lr_warmup_steps"),
     )
     optim.lora_merge = getattr(getattr(c, role), "lora_merge", False)  # the PRIME PRM has no LoRA
+    if not activation_checkpointed(model):  # a role that does not save memory reuses it
+        keep_freed_memory(role)  # (llm.utils.memory; a no-op once a role hands its heap back between layers)
     return optim
 
 
