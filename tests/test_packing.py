@@ -541,3 +541,27 @@ def test_sliding_window_model_longer_than_its_window_is_refused_and_shorter_is_e
     batch = collate(pack(long, 64, "greedy")[0], pad_token_id=0)
     with pytest.raises(UserError, match="sliding window of 32 tokens .* spans 33"):
         model(**batch.model_inputs())
+
+
+@pytest.mark.parametrize("keys", [48, 300])
+def test_short_half_precision_blocks_attend_in_fp32_on_cpu(keys):
+    """bf16 blocks of at most CPU_HALF_UPCAST_KEYS keys run in fp32 (torch's CPU flash backward in bf16 costs ~1 ms
+    a call more): the fp32 result rounded, closer to the exact attention than the bf16 kernel's; longer blocks keep
+    the bf16 kernel, bit for bit."""
+    from llm.utils.attention import CPU_HALF_UPCAST_KEYS, blockwise_sdpa
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, keys, 16, generator=gen).to(torch.bfloat16) for h in (6, 2, 2))
+    packed = PackedAttention([[Block(0, keys, ((0, keys),))]], keys)
+    q.requires_grad_(True)
+    out = blockwise_sdpa(q, k, v, packed, None)
+    out.float().square().sum().backward()
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True)
+    kernel = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert out.dtype == q.grad.dtype == torch.bfloat16
+    if keys <= CPU_HALF_UPCAST_KEYS:
+        upcast = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
+        assert torch.equal(out, upcast.to(torch.bfloat16))
+        assert (out.double() - exact).abs().mean() < (kernel.double() - exact).abs().mean()
+    else:
+        assert torch.equal(out, kernel)
