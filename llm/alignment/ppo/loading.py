@@ -14,6 +14,7 @@ from llm.alignment.ppo.fsdp import sum_gradients
 from llm.alignment.ppo.offload import OffloadedTrainableRole, offload_when_idle
 from llm.alignment.ppo.optim import TrainableRole
 from llm.utils.distributed import Layout
+from llm.utils.embedding_grad import reuse_embedding_gradient
 from llm.utils.errors import UserError
 from llm.utils.memory import keep_freed_memory, release_between_layers
 from llm.utils.modeling import load_model
@@ -111,7 +112,9 @@ def optimizer_for(c: PPOConfig, model, role: str, place: Place) -> TrainableRole
     )
     optim.lora_merge = getattr(getattr(c, role), "lora_merge", False)  # the PRIME PRM has no LoRA
     if not activation_checkpointed(model):  # a role that does not save memory reuses it
-        keep_freed_memory(role)  # (llm.utils.memory; a no-op once a role hands its heap back between layers)
+        keep_freed_memory(role)
+    if place.layout is None:  # one process, plain tensors: the embedding's gradient in a kept buffer
+        reuse_embedding_gradient(model, role)  # (llm.utils.memory; a no-op once a role hands its heap back between layers)
     return optim
 
 
