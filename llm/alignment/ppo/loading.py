@@ -114,7 +114,9 @@ def optimizer_for(c: PPOConfig, model, role: str, place: Place) -> TrainableRole
     if not activation_checkpointed(model):  # a role that does not save memory reuses it
         keep_freed_memory(role)
     if place.layout is None:  # one process, plain tensors: the embedding's gradient in a kept buffer
-        reuse_embedding_gradient(model, role)  # (llm.utils.memory; a no-op once a role hands its heap back between layers)
+        reuse_embedding_gradient(
+            model, role
+        )  # (llm.utils.memory; a no-op once a role hands its heap back between layers)
     return optim
 
 
