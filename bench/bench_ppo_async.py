@@ -53,7 +53,7 @@ from bench.ppo_sides import our_trainer
 SIDES = ("sync", "async", "sync_2x")
 WORKER_SETTINGS = (
     *("batch", "prompt_len", "response_len", "hidden", "layers", "steps", "threads", "mode", "eos_bias"),
-    *("recompute_logprobs", "engine", "model_dir", "ppo_epochs", "warmup_steps"),
+    *("recompute_logprobs", "engine", "model_dir", "ppo_epochs", "warmup_steps", "bf16"),
 )
 
 
@@ -135,6 +135,7 @@ def main() -> None:
     p.add_argument("--eos-bias", type=float, default=0.0)
     p.add_argument("--recompute-logprobs", action="store_true", help="old log-probs by a forward (async: the copy's)")
     p.add_argument("--engine", choices=["hf", "vllm"], default="hf")
+    p.add_argument("--bf16", action="store_true", help="training.bf16 (bench_ppo.py's ours_config reads it)")
     p.add_argument("--ppo-epochs", type=int, help="actor epochs per step (default: tiny 4, real model 1)")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
