@@ -91,6 +91,8 @@ def test_frozen_or_unusual_embeddings_are_left_alone():
     normed.emb.max_norm = 1.0
     assert not reuse_embedding_gradient(normed)
     assert not reuse_embedding_gradient(torch.nn.Linear(2, 2))
+    on_meta = Tiny(tied=False, dtype=torch.float32).to("meta")  # any device but the CPU: autograd's own backward
+    assert not reuse_embedding_gradient(on_meta)
 
 
 def test_no_grad_lookups_and_a_deep_copy_still_work():

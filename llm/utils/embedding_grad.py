@@ -12,9 +12,10 @@ a CPU) for a few hundred rows of information.
 autograd's own backward does, and makes it the weight's ``.grad``; a tied LM head's gradient is then added into it
 in place by autograd (``AccumulateGrad``). A later backward before the next ``zero_grad`` (gradient accumulation
 over micro-batches) returns the dense gradient exactly as autograd's backward does. Either way the gradient is
-bit-identical to autograd's (``tests/test_embedding_grad.py``). For one process with plain tensors only: a gradient
-set outside ``AccumulateGrad`` would bypass DDP's and FSDP's gradient hooks, so sharded or replicated models are
-left alone.
+bit-identical to autograd's (``tests/test_embedding_grad.py``). For one process with plain tensors on a CPU only: a
+gradient set outside ``AccumulateGrad`` would bypass DDP's and FSDP's gradient hooks, so sharded or replicated
+models are left alone; on a GPU the caching allocator already reuses memory, and ``index_add_`` / ``index_put_``
+add with atomics in no fixed order where autograd's embedding backward is deterministic.
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ def reuse_embedding_gradient(model: torch.nn.Module, role: str = "model") -> boo
     plain = type(weight) in (torch.nn.Parameter, torch.Tensor) and not hasattr(weight, "device_mesh")
     if not (weight.requires_grad and plain) or emb.max_norm is not None or emb.scale_grad_by_freq or emb.sparse:
         return False
+    if weight.device.type != "cpu":  # a GPU's caching allocator reuses memory already; its scatter-adds are atomic
+        return False  # (sums in no fixed order), where autograd's embedding backward sorts: left alone
     if getattr(emb, "_grad_buffer", False) is False:  # once per module
         emb._grad_buffer = None
         emb.forward = types.MethodType(_forward, emb)
