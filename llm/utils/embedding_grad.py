@@ -73,8 +73,8 @@ class _Lookup(torch.autograd.Function):
 
 
 def _forward(self: torch.nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    if torch.is_grad_enabled() and self.weight.requires_grad:
-        return _Lookup.apply(ids, self.weight, self)
+    if torch.is_grad_enabled() and self.weight.requires_grad and self.weight.device.type == "cpu":
+        return _Lookup.apply(ids, self.weight, self)  # (a model moved off the CPU afterwards: autograd's own)
     return torch.nn.Embedding.forward(self, ids)
 
 
