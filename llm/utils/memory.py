@@ -35,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 import platform
 import sys
 
@@ -69,8 +70,6 @@ _policy: dict[str, str] = {}  # "mode": "keep" | "release", once chosen in this 
 
 def allocator_chosen_by_environment(env: dict | None = None) -> str | None:
     """The environment variable that already chooses how this process allocates, or None."""
-    import os
-
     env = os.environ if env is None else env
     for name in _ALLOCATOR_ENV:
         if env.get(name):
@@ -89,21 +88,19 @@ def keep_environment() -> dict[str, str]:
 
 
 def keep_freed_memory(role: str = "run") -> bool:
-    """Keep every freed chunk in glibc's heap for reuse (module docstring); True when set now or before. Nothing
+    """Keep freed memory in glibc's heap for reuse (module docstring); True when set now or before. Nothing
     where glibc is missing, the environment chooses the allocator, or ``release_between_layers`` is active."""
     if _policy.get("mode") == "keep":
         return True
-    libc = _glibc()
-    mallopt = getattr(libc, "mallopt", None)
-    reason = (
-        "no glibc mallopt here"
-        if mallopt is None
-        else "its freed heap already goes back between layers (memory first)"
-        if _policy.get("mode") == "release"
-        else f"{allocator_chosen_by_environment()} chooses the allocator"
-        if allocator_chosen_by_environment()
-        else None
-    )
+    mallopt = getattr(_glibc(), "mallopt", None)
+    chosen = allocator_chosen_by_environment()
+    reason = None
+    if mallopt is None:
+        reason = "no glibc mallopt here"
+    elif _policy.get("mode") == "release":
+        reason = "its freed heap already goes back between layers (memory first)"
+    elif chosen:
+        reason = f"{chosen} chooses the allocator"
     if reason:
         logger.info("%s: freed memory is not kept for reuse: %s", role, reason)
         return False
