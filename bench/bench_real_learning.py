@@ -701,6 +701,7 @@ def task_orm(a) -> dict:
         {
             "max_steps": steps,
             "learning_rate": a.orm_lr,
+            **({"head_learning_rate": a.orm_head_lr} if a.orm_head_lr is not None else {}),
             "logging_steps": 5,
             "common": {"max_seq_len": a.seq_len, "max_prompt_len": 256},
         },
@@ -948,6 +949,7 @@ def parser(description: str = __doc__) -> argparse.ArgumentParser:
     s.add_argument("--sft-lr", type=float, default=2e-5)
     s.add_argument("--orm-steps", type=int, default=40)
     s.add_argument("--orm-lr", type=float, default=2e-5)
+    s.add_argument("--orm-head-lr", type=float, default=None, help="the score head's own rate (head_learning_rate)")
     s.add_argument("--dpo-steps", type=int, default=30)
     s.add_argument("--dpo-lr", type=float, default=5e-6)
     s.add_argument("--prm-steps", type=int, default=40)

@@ -592,3 +592,50 @@ def test_best_model_check_counts_loss_items_of_the_packed_dev_rows(tmp_path):
     assert trainer.eval_has_loss_items() is True
     trainer.check_metric_for_best_model()
     assert math.isfinite(trainer.evaluate()["eval_loss"])
+
+
+def test_head_learning_rate_moves_the_score_head_by_its_own_rate(tmp_path):
+    """AdamW's first step moves each weight by lr * g / (|g| + eps): ~lr where the gradient is not ~0. With the
+    backbone at 1e-6 and the new score head at 1e-2 (constant schedule, no warmup, no decay), one step moves
+    the head's weights by ~1e-2 and no other weight by more than ~1e-6."""
+    from transformers import AutoModelForSequenceClassification
+
+    from llm.utils.modeling import load_model
+
+    train = small_split(tmp_path, "pairs_train.jsonl", 8)
+    out = tmp_path / "out"
+    main(
+        [
+            config(
+                tmp_path,
+                "rm_argument.json",
+                train_dataset_path=train,
+                do_eval=False,
+                max_steps=1,
+                learning_rate=1e-6,
+                head_learning_rate=1e-2,
+                warmup_steps=0,
+                lr_scheduler_type="constant",
+                adam_epsilon=1e-12,
+                max_grad_norm=0.0,
+            )
+        ]
+    )
+    model_dir = os.path.join(ROOT, read_json(os.path.join(TINY, "rm_argument.json"))["model_name_or_path"])
+    init = load_model(
+        AutoModelForSequenceClassification, model_dir, init_from_config=True, seed=42, pad_token_id=0, num_labels=1
+    ).state_dict()
+    trained = load_file(out / "model.safetensors")
+    head = (trained["score.weight"] - init["score.weight"]).abs()
+    assert head.max().item() == pytest.approx(1e-2, rel=1e-3)
+    assert head.median().item() > 0.9e-2  # almost every head weight took a full step
+    rest = max((trained[k] - init[k]).abs().max().item() for k in trained if k != "score.weight")
+    assert 0.5e-6 < rest < 1.1e-6
+
+
+def test_head_learning_rate_on_a_prm_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(main, [config(tmp_path, do_eval=False, max_steps=1, head_learning_rate=1e-3)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "head_learning_rate is an ORM's" in err and "Traceback" not in err, err

@@ -35,6 +35,7 @@ from llm.data.packing import PackedBatch
 from llm.settings.flat import ModelArgument
 from llm.utils.distributed import tensor_parallel_on_cpu
 from llm.utils.errors import UserError
+from llm.utils.param_groups import own_learning_rate
 from llm.utils.precision import LossScaler, MasterWeightAdamW
 from llm.utils.preemption import SaveOnSignal
 
@@ -208,8 +209,22 @@ class AlignmentTrainer(CheckpointMixin, Trainer):
             self.accelerator.scaler = self.loss_scaler
             self.accelerator.native_amp = True
 
+    def head_parameters(self) -> list[torch.nn.Parameter]:
+        """The trained parameters of a new head that trains at ``args.head_learning_rate`` (ORM); none here."""
+        return []
+
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
+        head_lr = getattr(self.args, "head_learning_rate", None)
+        if head_lr is not None:
+            moved = own_learning_rate(self._raw_optimizer(), self.head_parameters(), head_lr)
+            logger.info(
+                "head_learning_rate: %d head tensors (%d parameters) at peak lr %g, the rest at %g",
+                len(moved),
+                sum(p.numel() for p in moved),
+                head_lr,
+                self.args.learning_rate,
+            )
         if self.loss_scaler is not None:
             self.loss_scaler.bind(self._raw_optimizer())
         return optimizer

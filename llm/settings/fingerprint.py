@@ -175,6 +175,7 @@ FLAT_ADDED_LATER: dict[str, Any] = {
     "implicit_beta": 0.05,  # prm_kind implicit's fields (refused with another kind unless at these values)
     "implicit_loss": "ce",
     "implicit_reference": None,
+    "head_learning_rate": None,  # an ORM's score head at its own learning rate
 }
 
 # Fields whose value is a (comma-separated list of) data file(s) or directories: fingerprinted by content.

@@ -121,6 +121,16 @@ class RewardTrainingArguments(TrainingArguments):
             "min": 0,
         },
     )
+    head_learning_rate: float | None = field(
+        default=None,
+        metadata={
+            "help": "ORM: the peak learning rate of the score head, a new randomly initialised layer (the same "
+            "warmup and schedule as learning_rate, which the rest of the model keeps); null: learning_rate. A head "
+            "rate 10-100x the backbone's lets the head fit before the pretrained layers drift "
+            "(linear-probe-then-fine-tune).",
+            "min": 0,
+        },
+    )
     prm_threshold: float = field(
         default=0.5,
         metadata={
@@ -170,6 +180,11 @@ class RewardTrainingArguments(TrainingArguments):
         if self.prm_kind != "implicit" and (self.implicit_loss != "ce" or self.implicit_beta != 0.05):
             raise UserError(
                 "implicit_loss / implicit_beta are prm_kind implicit's: set prm_kind implicit, or remove them"
+            )
+        if self.head_learning_rate is not None and self.process_reward:
+            raise UserError(
+                "head_learning_rate is an ORM's (its new score head): a PRM reads the model's own LM head, trained "
+                "at learning_rate; remove head_learning_rate"
             )
         if self.soft_labels and not self.process_reward:
             raise UserError("soft_labels is a PRM's (step soft labels): set process_reward true, or remove it")

@@ -28,6 +28,10 @@ class ORMTrainer(RewardTrainer):
     def count_items(self, batch: PackedBatch) -> int:
         return int((batch.readout_part == 0).sum())  # one chosen readout per pair; best-of-N candidates are none
 
+    def head_parameters(self) -> list[torch.nn.Parameter]:
+        # the score head's trained tensors (under LoRA the modules_to_save copy, not the frozen original)
+        return [p for p in self.model.score.parameters() if p.requires_grad]
+
     def forward_items(self, model, batch: PackedBatch) -> ItemOutputs:
         hidden = self.readout_hidden(model, batch)
         head = self.model.score
