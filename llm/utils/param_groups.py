@@ -6,9 +6,7 @@ from __future__ import annotations
 import torch
 
 
-def own_learning_rate(
-    optimizer: torch.optim.Optimizer, params: list[torch.Tensor], lr: float
-) -> list[torch.Tensor]:
+def own_learning_rate(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], lr: float) -> list[torch.Tensor]:
     """Move ``params`` out of the groups of ``optimizer`` (which has not stepped) into groups of their own at
     peak learning rate ``lr``: one new group per group they came from, with its other settings (weight decay,
     betas, fused, ...). A learning-rate schedule built afterwards scales every group by the same factor, so the
