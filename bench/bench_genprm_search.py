@@ -46,6 +46,7 @@ CONFIGS = "llm/config/smollm2"
 PRM_TRAIN = "llm/data/sample/prm_train.jsonl"
 PROCESSBENCH = "llm/data/sample/processbench_dev.jsonl"
 PROMPTS = "llm/data/sample/prompts.jsonl"
+SFT_TRAIN = "llm/data/sample_sft/sft_train.jsonl"
 KINDS = {"discriminative": "prm_argument.json", "generative": "genprm_argument.json"}
 PB_KEYS = (
     "f1",
@@ -70,6 +71,13 @@ def read_jsonl(path: str) -> list[dict]:
 def read_json(path: str) -> dict:
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def write_jsonl(path: str, rows: list[dict]) -> str:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    return path
 
 
 def write_json(path: str, obj) -> str:
@@ -268,9 +276,85 @@ def stage_prm(a, report: dict, save) -> None:
 # --------------------------------------------------------------------------------------------------------------
 # (b) search against N
 # --------------------------------------------------------------------------------------------------------------
-def search_config(a, kind: str, model: str, methods: list[str], budgets: list[int], width: int, out: str) -> str:
+def stage_policy(a, report: dict, save) -> None:
+    """The search's policy: SmolLM2 after ``--policy-sft-steps`` of our SFT on the worked solutions of
+    ``sft_train.jsonl`` (one step per line, the PRM's step marker), none of whose problems is a search problem
+    (checked); SmolLM2 itself answers these problems in its own words and rarely right (0-8% at N 1-16, 12-04)."""
+    problems = {r["src"] for r in read_jsonl(PROMPTS)[: a.problems]}
+    rows = read_jsonl(SFT_TRAIN)
+    kept = [r for r in rows if first_user_message(r) not in problems]
+    data = write_jsonl(os.path.join(a.workdir, "data", "policy_sft.jsonl"), kept)
+    out = os.path.join(a.workdir, "policy_sft")
+    cfg = read_json(os.path.join(ROOT, CONFIGS, "sft_argument.json"))
+    cfg.update(
+        train_dataset_path=os.path.relpath(data, ROOT),
+        max_steps=a.policy_sft_steps,
+        learning_rate=a.policy_sft_lr,
+        warmup_steps=max(1, a.policy_sft_steps // 10),
+        logging_steps=max(1, a.policy_sft_steps // 10),
+        do_train=True,
+        do_eval=False,
+        save_strategy="no",
+        report_to="none",
+        seed=a.seed,
+        output_dir=os.path.relpath(out, ROOT),
+        overwrite_output_dir=True,
+    )
+    cfg.pop("dev_dataset_path", None)
+    load0 = load()
+    seconds = run(a, "run_finetune.py", write_json(out + ".json", cfg), out + ".log")
+    state = os.path.join(out, "trainer_state.json")
+    history = read_json(state).get("log_history", []) if os.path.isfile(state) else []
+    losses = [h["loss"] for h in history if "loss" in h]
+    report["policy"] = {
+        "model": os.path.relpath(out, ROOT),
+        "from": "SmolLM2-135M-Instruct",
+        "sft_data": SFT_TRAIN,
+        "sft_records": len(kept),
+        "sft_records_dropped_as_search_problems": len(rows) - len(kept),
+        "max_steps": a.policy_sft_steps,
+        "learning_rate": a.policy_sft_lr,
+        "train_s": round(seconds, 1),
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "load_before": load0,
+        "load_after": load(),
+        "config": os.path.relpath(out + ".json", ROOT),
+    }
+    save()
+
+
+def first_user_message(record: dict) -> str:
+    """An SFT record's problem: its ``src`` (a list of turns, or one string), or its first user message."""
+    if "messages" in record:
+        return next(m["content"] for m in record["messages"] if m["role"] == "user")
+    src = record["src"]
+    return src[0] if isinstance(src, list) else src
+
+
+def policy_model(a, report: dict) -> str:
+    """``--policy``: base (SmolLM2 itself) or sft (the policy stage's model, from this run or an earlier one)."""
+    if a.policy == "base":
+        from llm.utils.gguf import smollm2_dir
+
+        return smollm2_dir()
+    # this report's policy stage, else one an earlier run left in --workdir (a search split across processes)
+    model = report.get("policy", {}).get("model") or os.path.relpath(os.path.join(a.workdir, "policy_sft"), ROOT)
+    if not os.path.isfile(os.path.join(ROOT, model, "config.json")):
+        raise SystemExit(f"--policy sft: no model in {model}: run --stages policy first (same --workdir)")
+    return os.path.join(ROOT, model)
+
+
+def search_config(
+    a, kind: str, model: str, policy: str, methods: list[str], budgets: list[int], width: int, out: str
+) -> str:
     cfg = read_json(os.path.join(ROOT, CONFIGS, "search_argument.json"))
-    cfg["policy"].update(max_new_tokens=a.max_new_tokens, max_step_tokens=a.max_step_tokens, batch_size=64)
+    cfg["policy"].update(
+        model_name_or_path=os.path.relpath(policy, ROOT),
+        max_new_tokens=a.max_new_tokens,
+        max_step_tokens=a.max_step_tokens,
+        batch_size=64,
+    )
     prm = {"kind": kind, "model_name_or_path": os.path.relpath(model, ROOT), "reward_tokens": "+,-"}
     if kind == "discriminative":
         prm.update(placeholder_token="§", micro_batch_size=16)
@@ -295,11 +379,15 @@ def stage_search(a, report: dict, save) -> None:
     if kind is None:
         raise SystemExit("--search-prm auto needs the prm stage's results (run --stages prm first)")
     model = os.path.join(a.workdir, kind)
+    policy = policy_model(a, report)
     budgets = [int(n) for n in a.budgets.split(",")]
     tree_budgets = [n for n in budgets if n >= a.beam_width and n % a.beam_width == 0]
+    methods = a.search_methods.split(",")
     search = {
         "prm": kind,
         "prm_choice": "--search-prm " + a.search_prm,
+        "policy": os.path.relpath(policy, ROOT),
+        "methods": methods,
         "problems": a.problems,
         "budgets": budgets,
         "beam_width_tree": a.beam_width,
@@ -311,13 +399,16 @@ def stage_search(a, report: dict, save) -> None:
     report["search"] = search
     # best-of-N first (one draw of max N serves every N), then the tree searches one (N, method) per run in
     # ascending N, so that a run stopped early still has the small budgets of both methods
-    runs = [("best_of_n", ["best_of_n"], budgets, 1)]
-    runs += [(f"{m}@{n}", [m], [n], a.beam_width) for n in tree_budgets for m in ("beam_search", "dvts")]
+    runs = [("best_of_n", ["best_of_n"], budgets, 1)] if "best_of_n" in methods else []
+    trees = [m for m in ("beam_search", "dvts") if m in methods]
+    runs += [(f"{m}@{n}", [m], [n], a.beam_width) for n in tree_budgets for m in trees]
     metrics: dict = {}
     search["runs"] = {}
-    for name, methods, ns, width in runs:
+    for name, run_methods, ns, width in runs:
         out = os.path.join(a.workdir, "search_" + name.replace("@", "_"))
-        seconds = run(a, "run_search.py", search_config(a, kind, model, methods, ns, width, out), out + ".log")
+        seconds = run(
+            a, "run_search.py", search_config(a, kind, model, policy, run_methods, ns, width, out), out + ".log"
+        )
         got = read_json(os.path.join(out, "search_metrics.json"))
         metrics.update({k: v for k, v in got.items() if "@" in k})
         search["runs"][name] = {
@@ -333,6 +424,45 @@ def stage_search(a, report: dict, save) -> None:
         search["curves"] = {m: dict(sorted(c.items())) for m, c in curves.items()}
         save()
     search["finished"] = True
+
+
+def merge_reports(reports: list[dict]) -> dict:
+    """One report from runs split across processes: every PRM kind, the policy, the search runs, metrics and curves
+    of each, and every invocation's environment. Two reports with the same PRM kind or search run stop it."""
+    out: dict = {"environments": [], "quick": any(r.get("quick") for r in reports), "merged_from": len(reports)}
+    for r in reports:
+        out["environments"] += r.get("environments", [])
+        for kind, value in r.get("prm", {}).items():
+            if kind in KINDS and kind in out.setdefault("prm", {}):
+                raise SystemExit(f"--merge: PRM kind {kind} in two reports")
+            if kind in KINDS or kind not in out["prm"]:
+                out["prm"][kind] = value
+        if "data" in r:
+            out.setdefault("data", r["data"])
+        if "policy" in r:
+            out["policy"] = r["policy"]
+        if "search" in r:
+            s = out.setdefault("search", {"runs": {}, "metrics": {}})
+            for name in r["search"].get("runs", {}):
+                if name in s["runs"]:
+                    raise SystemExit(f"--merge: search run {name} in two reports")
+            s.update({k: v for k, v in r["search"].items() if k not in ("runs", "metrics", "curves", "methods")})
+            s["runs"].update(r["search"].get("runs", {}))
+            s["metrics"].update(r["search"].get("metrics", {}))
+            s["methods"] = sorted({*s.get("methods", []), *r["search"].get("methods", [])})
+            s["finished"] = all(x["search"].get("finished", False) for x in reports if "search" in x)
+    prm = out.get("prm", {})
+    f1 = {k: prm[k]["processbench"]["f1"] or 0.0 for k in KINDS if k in prm}
+    if f1:
+        prm["better_by_f1_at_0.5"] = max(f1, key=f1.get)
+    if "search" in out:
+        curves: dict = {}
+        for key, value in out["search"]["metrics"].items():
+            method, n = key.rsplit("@", 1)
+            curves.setdefault(method, {})[int(n)] = value
+        out["search"]["curves"] = {m: dict(sorted(c.items())) for m, c in curves.items()}
+    out["complete"] = bool(f1) and out.get("search", {}).get("finished", False)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -391,7 +521,8 @@ def plot(report: dict, out: str) -> None:
         ax.set_xlabel("N (generations per step; best-of-N: solutions)")
         ax.set_ylabel("accuracy (held-out problems)")
         s = report["search"]
-        ax.set_title(f"SmolLM2-135M policy, {s['prm']} PRM, {s['problems']} problems", fontsize=10)
+        policy = "SmolLM2-135M after SFT" if "policy_sft" in s.get("policy", "") else "SmolLM2-135M"
+        ax.set_title(f"{policy} policy, {s['prm']} PRM, {s['problems']} held-out problems", fontsize=10)
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
         fig.tight_layout()
@@ -402,7 +533,7 @@ def plot(report: dict, out: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of a few minutes")
-    p.add_argument("--stages", default="prm,search", help="comma-separated: prm, search ('' only redraws)")
+    p.add_argument("--stages", default="prm,search", help="comma-separated: prm, policy, search ('' only redraws)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument(
         "--kinds",
@@ -423,6 +554,17 @@ def main() -> None:
         help="generative PRM scoring: max_critique_tokens (the template critiques are 5-6 SmolLM2 tokens)",
     )
     p.add_argument("--search-prm", default="auto", choices=("auto", *KINDS))
+    p.add_argument(
+        "--policy", default="base", choices=("base", "sft"), help="the search's policy (sft: --stages policy)"
+    )
+    p.add_argument("--policy-sft-steps", type=int, default=40, help="policy stage: SFT steps (1024-token packed rows)")
+    p.add_argument("--policy-sft-lr", type=float, default=2e-5)
+    p.add_argument("--search-methods", default="best_of_n,beam_search,dvts", help="comma-separated, a subset")
+    p.add_argument(
+        "--merge",
+        help="comma-separated reports of runs split across processes (e.g. the two PRM kinds, the search methods): "
+        "merged into --out, then the PNGs redrawn; nothing is run",
+    )
     p.add_argument("--problems", type=int, default=12)
     p.add_argument("--budgets", default="1,2,4,8,16")
     p.add_argument("--beam-width", type=int, default=2, help="beam search / DVTS: M (their N from M up)")
@@ -448,6 +590,12 @@ def main() -> None:
             out=os.path.join(workdir, "quick.json"),
         )
     a = p.parse_args()
+    if a.merge:
+        report = merge_reports([read_json(path) for path in a.merge.split(",")])
+        harness.write_report(a.out, report)
+        plot(report, a.out)
+        print("merged into", a.out, "plots:", os.path.splitext(a.out)[0] + "_{f1,search}.png")
+        return
     a.workdir = os.path.abspath(a.workdir)
     os.makedirs(a.workdir, exist_ok=True)
     stages = [s for s in a.stages.split(",") if s]
@@ -469,6 +617,8 @@ def main() -> None:
     t = time.perf_counter()
     if "prm" in stages:
         stage_prm(a, report, save)
+    if "policy" in stages:
+        stage_policy(a, report, save)
     if "search" in stages:
         stage_search(a, report, save)
     if stages:
