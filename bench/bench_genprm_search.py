@@ -17,6 +17,11 @@ written into ``--workdir`` (default ``output/bench_genprm_search/``) and passed 
     policy, on the first ``--problems`` of ``llm/data/sample/prompts.jsonl`` (none in the PRM's training pool:
     checked): best-of-N (one draw of max N solutions; best_of_n / weighted_vote / majority_vote / pass at every N,
     ``beam_width`` 1 so N = 1 is allowed) and beam search / DVTS (``beam_width`` ``--beam-width``, so N from it).
+    ``--policy sft`` searches with SmolLM2 after the ``policy`` stage: ``--policy-sft-steps`` of our SFT
+    (``run_finetune.py``) on ``llm/data/sample_sft/sft_train.jsonl``'s worked solutions, one step per line (the
+    PRM's step marker), any record whose problem is a search problem dropped (counted in the report).
+    ``--search-methods`` runs a subset, so that two processes can share the search; ``--merge A.json,B.json``
+    joins split reports (the two PRM kinds, the search methods) into ``--out`` and redraws the PNGs.
 
 Outputs: the JSON report (``--out``, default ``bench/results/genprm_search_smollm2.json``; written after every
 stage, ``"complete": false`` until both stages have finished) and two PNGs next to it (``*_f1.png``: F1 bars; ``*_search.png``:
@@ -25,6 +30,7 @@ PNGs); a ``search``-only run reads the PRMs' results from the existing report.
 
     python bench/bench_genprm_search.py --quick                 # tiny sizes: a smoke run of a few minutes
     python bench/bench_genprm_search.py                         # 5 train minutes per kind, 12 problems
+    python bench/bench_genprm_search.py --stages policy,search --policy sft --search-prm discriminative
 """
 
 from __future__ import annotations
