@@ -109,9 +109,11 @@ def assert_same_step(a: dict, b: dict, atol: float = 1e-6) -> None:
     assert [(h["role"], h["epoch"]) for h in a["history"]] == [(h["role"], h["epoch"]) for h in b["history"]]
     for x, y in zip(a["history"], b["history"]):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-6)
+    # a metric near 0 (advantage_mean of whitened advantages) is a sum of float32 roundings of the tensors
+    # compared above at atol: 2e-6 absolute (a CI run saw 1.007e-6 between Ray + FSDP2 and one process)
     for key, value in a["metrics"].items():
         if not key.startswith("time/"):
-            assert b["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+            assert b["metrics"][key] == pytest.approx(value, rel=1e-5, abs=max(atol, 2e-6)), key
 
 
 class TestRayEqualsOneProcess:
