@@ -171,17 +171,14 @@ def make_data(a) -> dict:
     }
 
 
-def train_config(a, kind: str, train_path: str, steps: int, out: str) -> str:
-    cfg = read_json(os.path.join(ROOT, CONFIGS, KINDS[kind]))
+def training_run_config(a, config: str, out: str, **fields) -> str:
+    """``out``.json: the SmolLM2 ``config`` with ``fields``, training only (no dev split, no checkpoints, no
+    reports), the model written to ``out``."""
+    cfg = read_json(os.path.join(ROOT, CONFIGS, config))
     cfg.update(
-        train_dataset_path=train_path,
-        max_seq_len=a.seq_len,
-        max_steps=steps,
-        learning_rate=a.lr,
-        warmup_steps=max(1, min(10, steps // 10)),
-        logging_steps=max(1, min(10, steps // 5)),
+        **fields,
         do_train=True,
-        do_eval=False,  # the held-out evaluation is the ProcessBench run below
+        do_eval=False,
         save_strategy="no",
         report_to="none",
         seed=a.seed,
@@ -190,6 +187,28 @@ def train_config(a, kind: str, train_path: str, steps: int, out: str) -> str:
     )
     cfg.pop("dev_dataset_path", None)
     return write_json(out + ".json", cfg)
+
+
+def logged_losses(out: str) -> tuple[list[dict], list[float]]:
+    """The log history of the training run in ``out`` and its logged losses."""
+    state = os.path.join(out, "trainer_state.json")
+    history = read_json(state).get("log_history", []) if os.path.isfile(state) else []
+    return history, [h["loss"] for h in history if "loss" in h]
+
+
+def train_config(a, kind: str, train_path: str, steps: int, out: str) -> str:
+    # do_eval false: the held-out evaluation is the ProcessBench run below
+    return training_run_config(
+        a,
+        KINDS[kind],
+        out,
+        train_dataset_path=train_path,
+        max_seq_len=a.seq_len,
+        max_steps=steps,
+        learning_rate=a.lr,
+        warmup_steps=max(1, min(10, steps // 10)),
+        logging_steps=max(1, min(10, steps // 5)),
+    )
 
 
 def train_runtime(out: str) -> float:
@@ -254,9 +273,7 @@ def stage_prm(a, report: dict, save) -> None:
             steps = max(1, round(steps * budget / train_runtime(out)))
             run(a, "run_reward.py", train_config(a, kind, data[f"{kind}_train"], steps, out), out + ".log")
             tries.append({"max_steps": steps, "train_runtime_s": round(train_runtime(out), 1)})
-        state = os.path.join(out, "trainer_state.json")
-        history = read_json(state).get("log_history", []) if os.path.isfile(state) else []
-        losses = [h["loss"] for h in history if "loss" in h]
+        history, losses = logged_losses(out)
         prm[kind] = {
             "pilot_steps": None if a.s_per_step else a.pilot_steps,
             "pilot_s_per_step": round(per_step, 3),
@@ -291,27 +308,19 @@ def stage_policy(a, report: dict, save) -> None:
     kept = [r for r in rows if first_user_message(r) not in problems]
     data = write_jsonl(os.path.join(a.workdir, "data", "policy_sft.jsonl"), kept)
     out = os.path.join(a.workdir, "policy_sft")
-    cfg = read_json(os.path.join(ROOT, CONFIGS, "sft_argument.json"))
-    cfg.update(
+    cfg = training_run_config(
+        a,
+        "sft_argument.json",
+        out,
         train_dataset_path=os.path.relpath(data, ROOT),
         max_steps=a.policy_sft_steps,
         learning_rate=a.policy_sft_lr,
         warmup_steps=max(1, a.policy_sft_steps // 10),
         logging_steps=max(1, a.policy_sft_steps // 10),
-        do_train=True,
-        do_eval=False,
-        save_strategy="no",
-        report_to="none",
-        seed=a.seed,
-        output_dir=os.path.relpath(out, ROOT),
-        overwrite_output_dir=True,
     )
-    cfg.pop("dev_dataset_path", None)
     load0 = load()
-    seconds = run(a, "run_finetune.py", write_json(out + ".json", cfg), out + ".log")
-    state = os.path.join(out, "trainer_state.json")
-    history = read_json(state).get("log_history", []) if os.path.isfile(state) else []
-    losses = [h["loss"] for h in history if "loss" in h]
+    seconds = run(a, "run_finetune.py", cfg, out + ".log")
+    _, losses = logged_losses(out)
     report["policy"] = {
         "model": os.path.relpath(out, ROOT),
         "from": "SmolLM2-135M-Instruct",
