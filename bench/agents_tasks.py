@@ -301,10 +301,15 @@ def environment_config(spec: TaskSpec):
 
 
 GREEDY = {"do_sample": False, "top_p": 1.0, "top_k": 0, "seed": 0}
+# The policy's own behaviour at the training temperature (``PolicyModel`` samples at 1.0): what GRPO maximises.
+SAMPLED = {"do_sample": True, "top_p": 1.0, "top_k": 0, "seed": 1}
 
 
-def evaluate_episodes(model, tok, spec: TaskSpec, rows: list[dict], batch: int = 16) -> dict:
-    """Our episode loop (``EpisodeRunner``, the one training runs) over ``rows``, greedy, one episode each: the
+def evaluate_episodes(
+    model, tok, spec: TaskSpec, rows: list[dict], batch: int = 16, sampling: dict | None = None, samples: int = 1
+) -> dict:
+    """Our episode loop (``EpisodeRunner``, the one training runs) over ``rows``, ``samples`` episodes each
+    (``sampling``: ``GREEDY`` by default, ``SAMPLED`` for the policy at temperature 1 with a fixed seed): the
     success rate (the environment's reward > 0: the right answer / the secret found), tool calls per episode,
     turns, cuts, and the first episodes' records."""
     from llm.alignment.ppo.agent.episode import Task
@@ -320,7 +325,7 @@ def evaluate_episodes(model, tok, spec: TaskSpec, rows: list[dict], batch: int =
             for r in rows[i : i + batch]:
                 msgs = messages_of(r)
                 tasks.append(Task({**r, "messages": msgs, "reference": r.get("tgt")}, msgs, []))
-            episodes += runner.run(policy, tasks, 1, GREEDY).episodes
+            episodes += runner.run(policy, tasks, samples, sampling or GREEDY).episodes
     finally:
         runner.close()
     wins = [sum(ep.turn_rewards) > 0 for ep in episodes]

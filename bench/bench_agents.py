@@ -21,7 +21,9 @@ Not a test: a benchmark (issue 27 item 7). For each task (``--tasks``: ``calcula
 4. **One evaluator** afterwards: every checkpoint, the model before training and after warm-up, greedy, one
    episode per held-out record (the first ``--eval-n`` of the task's dev file) with our episode loop
    (``EpisodeRunner``), success = the environment's reward > 0. TRL's game variant is evaluated in its own
-   (tool) form by the same chat rendering.
+   (tool) form by the same chat rendering. ``--eval-samples K`` adds the policy's own success at temperature 1
+   (``K`` episodes per record, seed 1): greedy success saturates where the prompts are all alike (the calculator
+   flips from 0% to 100% between one and two warm-up steps), the sampled one is what GRPO maximises.
 
 Writes ``--out`` (JSON: settings, every curve, the warm-up, what stopped a side) and a PNG of held-out success
 against training wall time per task (``--png``, default next to the JSON).
@@ -268,7 +270,7 @@ def warm_up(a, demos: str, base: str, tok_dir: str, out: str) -> dict:
 def eval_worker(a) -> None:
     import torch
 
-    from bench.agents_tasks import evaluate_episodes, evaluate_guess_tool, load_policy
+    from bench.agents_tasks import SAMPLED, evaluate_episodes, evaluate_guess_tool, load_policy
 
     torch.set_num_threads(a.threads)
     spec = task_spec(a)
@@ -280,10 +282,15 @@ def eval_worker(a) -> None:
         model, tok = load_policy(p["path"], a.tokenizer_dir)
         fn = evaluate_guess_tool if p.get("format") == "guess_tool" else evaluate_episodes
         r = fn(model, tok, spec, rows, a.eval_batch)
+        if a.eval_samples > 0 and fn is evaluate_episodes:
+            s = evaluate_episodes(model, tok, spec, rows, a.eval_batch, SAMPLED, a.eval_samples)
+            r.update({f"{k}_sampled": s[k] for k in ("success", "n", "tool_call_rate", "tool_calls", "turns")})
+            r["samples_sampled"] = s["samples"]
         r["eval_s"] = time.perf_counter() - t
         out.append({**p, **r})
+        sampled = f", sampled {r['success_sampled']:.3f} of {r['n_sampled']}" if "success_sampled" in r else ""
         print(
-            f"[eval {a.task}] {p['label']} wall {p.get('wall_s', 0):.0f}s: success {r['success']:.3f} "
+            f"[eval {a.task}] {p['label']} wall {p.get('wall_s', 0):.0f}s: success {r['success']:.3f}{sampled} "
             f"(n {r['n']}, tool calls {r.get('tool_calls', 0):.2f}, {r['eval_s']:.0f}s)",
             flush=True,
         )
@@ -590,7 +597,7 @@ def side_main(a) -> None:
 
 FORWARD = (
     "workdir", "model", "threads", "minutes", "evals", "max_steps", "prompts", "group", "micro_batch", "temperature",
-    "lr", "beta", "seed", "eval_batch", "template",
+    "lr", "beta", "seed", "eval_batch", "eval_samples", "template",
 )  # fmt: skip
 
 
@@ -658,7 +665,12 @@ def settings(a) -> dict:
         "loss": "token mean over the step (ours; TRL loss_type dapo), advantages (r - mean_g) / std_g",
         "minutes_per_side": a.minutes,
         "threads_per_side": a.threads,
-        "eval": f"greedy, first {a.eval_n} of {spec.dev}, success = environment reward > 0",
+        "eval": f"greedy, first {a.eval_n} of {spec.dev}, success = environment reward > 0"
+        + (
+            f"; sampled: {a.eval_samples} episodes per record at temperature 1 (the policy GRPO trains), seed 1"
+            if a.eval_samples > 0
+            else ""
+        ),
         "warmup": {"demos": a.warmup_demos, "epochs": a.warmup_epochs, "max_steps": a.warmup_steps, "lr": a.warmup_lr},
         "seed": a.seed,
     }
@@ -673,8 +685,14 @@ def side_result(a, side: str, rc: int | None) -> dict:
     return out
 
 
+EVAL_KEYS = (
+    "success", "tool_calls", "tool_call_rate", "turns", "samples",
+    "success_sampled", "tool_call_rate_sampled", "tool_calls_sampled", "n_sampled",
+)  # fmt: skip
+
+
 def curve(points: list[dict], evals: dict[str, dict], start: dict | None) -> list[dict]:
-    keys = ("step", "wall_s", "success", "tool_calls", "tool_call_rate", "turns", "samples")
+    keys = ("step", "wall_s", *EVAL_KEYS)
     first = [{"step": 0, "wall_s": 0.0, **{k: start.get(k) for k in keys[2:]}}] if start else []
     return first + [{k: evals[p["label"]].get(k) for k in keys} for p in points if p["label"] in evals]
 
@@ -737,11 +755,9 @@ def run_task(a, name: str) -> dict:
         for e in load_json(os.path.join(d, f"eval_{group}.json"), []):
             evals[e["label"]] = e
     base = evals.get("base", {})
-    out["before"] = {k: base.get(k) for k in ("success", "tool_call_rate", "tool_calls", "turns", "samples")}
+    out["before"] = {k: base.get(k) for k in EVAL_KEYS if k in base}
     if "warm" in evals:
-        out["after_warmup"] = {
-            k: evals["warm"].get(k) for k in ("success", "tool_call_rate", "tool_calls", "turns", "samples")
-        }
+        out["after_warmup"] = {k: evals["warm"].get(k) for k in EVAL_KEYS if k in evals["warm"]}
     for s in a.sides:
         r = results[s]
         if formats[s] == "episodes":
@@ -750,6 +766,8 @@ def run_task(a, name: str) -> dict:
             first, origin = evals.get("warm_tool", evals.get("base_tool", {})), evals.get("base_tool", {})
         c = curve(r.get("points", []), evals, first)
         final = c[-1]["success"] if len(c) > 1 else None
+        final_s = c[-1].get("success_sampled") if len(c) > 1 else None
+        start_s = first.get("success_sampled")
         out[s] = {
             "curve": c,
             "eval_format": formats[s],
@@ -763,6 +781,12 @@ def run_task(a, name: str) -> dict:
             "gain_points_of_rl": None
             if final is None or first.get("success") is None
             else 100 * (final - first["success"]),
+            "start_sampled": start_s,
+            "final_sampled": final_s,
+            "best_sampled": max(
+                (p["success_sampled"] for p in c[1:] if p.get("success_sampled") is not None), default=None
+            ),
+            "gain_points_of_rl_sampled": None if final_s is None or start_s is None else 100 * (final_s - start_s),
             "steps": r["log"][-1]["step"] if r.get("log") else 0,
             "train_wall_s": r["log"][-1]["wall_s"] if r.get("log") else 0,
             "train_log": r.get("log", []),
@@ -782,6 +806,8 @@ def run_task(a, name: str) -> dict:
         }
     if "ours" in out and out["ours"]["gain_points_over_before"] is not None:
         out["goal_+15_points_met"] = out["ours"]["gain_points_over_before"] >= 15
+    if "ours" in out and out["ours"]["gain_points_of_rl_sampled"] is not None:
+        out["goal_+15_points_of_rl_sampled_met"] = out["ours"]["gain_points_of_rl_sampled"] >= 15
     out["load_average_end"] = uptime()
     return out
 
@@ -810,6 +836,14 @@ def plot(report: dict, path: str) -> str | None:
                     ", guess tool" if r[side]["eval_format"] == "guess_tool" else ""
                 )
                 ax.plot([p["wall_s"] / 60 for p in c], [100 * (p["success"] or 0) for p in c], style, label=label)
+                if any(p.get("success_sampled") is not None for p in c):
+                    ax.plot(
+                        [p["wall_s"] / 60 for p in c],
+                        [100 * (p.get("success_sampled") or 0) for p in c],
+                        style[0] + ":",
+                        color=ax.lines[-1].get_color(),
+                        label=f"{side}, sampled at T = 1",
+                    )
         before = r.get("before", {}).get("success")
         if before is not None:
             ax.axhline(100 * before, color="grey", lw=1, label=f"before training ({100 * before:.0f}%)")
@@ -818,7 +852,7 @@ def plot(report: dict, path: str) -> str | None:
         warm = f"; warm-up {w['steps']} SFT steps, {w['wall_s'] / 60:.1f} min apart" if w else "; no warm-up"
         ax.set_title(f"{name}{warm}", fontsize=9)
         ax.set_xlabel(f"GRPO training wall time (min, {r['settings']['threads_per_side']} thread per side)")
-        ax.set_ylabel("held-out success (%, greedy)")
+        ax.set_ylabel("held-out success (%; solid/dashed greedy, dotted sampled)")
         ax.set_ylim(-2, 102)
         ax.legend(fontsize=7)
     env_ = report.get("environment", {})
@@ -897,6 +931,12 @@ def main() -> None:
     g.add_argument("--threads-warmup", type=int, default=2)
     g.add_argument("--eval-n", type=int, default=64, help="held-out records (the dev file's first)")
     g.add_argument("--eval-batch", type=int, default=16)
+    g.add_argument(
+        "--eval-samples",
+        type=int,
+        default=0,
+        help="also evaluate sampled at temperature 1, this many episodes per record (0: greedy only)",
+    )
     g.add_argument("--eval-parallel", type=int, default=2, help="evaluator processes at once")
     # internal (workers)
     for flag in ("--side", "--result", "--task", "--start", "--tokenizer-dir", "--eval-list"):
@@ -952,16 +992,25 @@ def main() -> None:
         if note:
             report["png"] = note
             dump_json(a.out, report)
-        summary = {k: r.get(k) for k in ("before", "after_warmup", "goal_+15_points_met", "error")}
+        summary = {
+            k: r.get(k)
+            for k in ("before", "after_warmup", "goal_+15_points_met", "goal_+15_points_of_rl_sampled_met", "error")
+        }
         for s in SIDES:
             if s in r:
                 summary[s] = {
-                    k: r[s].get(k) for k in ("before", "start", "final", "steps", "gain_points_over_before", "error")
-                }
-                summary[s]["curve"] = [(round(c["wall_s"]), c["success"]) for c in r[s]["curve"]]
+                    k: r[s].get(k)
+                    for k in (
+                        "before", "start", "final", "steps", "gain_points_over_before",
+                        "start_sampled", "final_sampled", "gain_points_of_rl_sampled", "error",
+                    )
+                }  # fmt: skip
+                summary[s]["curve"] = [
+                    (round(c["wall_s"]), c["success"], c.get("success_sampled")) for c in r[s]["curve"]
+                ]
         for k in ("before", "after_warmup"):
             if summary.get(k):
-                summary[k] = {kk: vv for kk, vv in summary[k].items() if kk != "samples"}
+                summary[k] = {kk: vv for kk, vv in summary[k].items() if not kk.startswith("samples")}
         print(json.dumps(summary, indent=1, default=str)[:4000], flush=True)
     print(f"report: {a.out}\nplot: {png}")
 
