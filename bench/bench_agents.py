@@ -560,8 +560,9 @@ def run_trl(a) -> dict:
         logging_steps=1,
         save_strategy="no",
         disable_tqdm=True,
-        log_completions=True,  # two sampled episodes per step in the log
-        num_completions_to_print=2,
+        # Off: TRL 1.16's completion printer json.loads a tool call's arguments and raises on arguments that
+        # are not JSON (a sampled `{"expression": 12*34}`-like call), which stops training (2026-12-05, step 5).
+        log_completions=False,
         use_vllm=False,
         dataloader_num_workers=0,
     )
