@@ -698,6 +698,50 @@ def curve(points: list[dict], evals: dict[str, dict], start: dict | None) -> lis
     return first + [{k: evals[p["label"]].get(k) for k in keys} for p in points if p["label"] in evals]
 
 
+def side_summary(r: dict, c: list[dict], first: dict, origin: dict, eval_format: str) -> dict:
+    """One side's report: its curve ``c`` (held-out success at each checkpoint, from ``first``: its start policy's
+    evaluation), the gains over ``origin`` (the model before training) and over its start (RL's own), its log."""
+    final = c[-1]["success"] if len(c) > 1 else None
+    final_s = c[-1].get("success_sampled") if len(c) > 1 else None
+    start_s = first.get("success_sampled")
+    return {
+        "curve": c,
+        "eval_format": eval_format,
+        "before": origin.get("success"),
+        "start": first.get("success"),
+        "final": final,
+        "best": max((p["success"] for p in c[1:] if p["success"] is not None), default=None),
+        "gain_points_over_before": None
+        if final is None or origin.get("success") is None
+        else 100 * (final - origin["success"]),
+        "gain_points_of_rl": None
+        if final is None or first.get("success") is None
+        else 100 * (final - first["success"]),
+        "start_sampled": start_s,
+        "final_sampled": final_s,
+        "best_sampled": max(
+            (p["success_sampled"] for p in c[1:] if p.get("success_sampled") is not None), default=None
+        ),
+        "gain_points_of_rl_sampled": None if final_s is None or start_s is None else 100 * (final_s - start_s),
+        "steps": r["log"][-1]["step"] if r.get("log") else 0,
+        "train_wall_s": r["log"][-1]["wall_s"] if r.get("log") else 0,
+        "train_log": r.get("log", []),
+        **{
+            k: r[k]
+            for k in (
+                "trl_version",
+                "dropped_config_keys",
+                "own_template_refusal",
+                "peak_rss_mib",
+                "total_s",
+                "error",
+                "rc",
+            )
+            if k in r
+        },
+    }
+
+
 def run_task(a, name: str) -> dict:
     a.task = name
     out: dict = {"settings": settings(a), "load_average_start": uptime()}
@@ -760,51 +804,11 @@ def run_task(a, name: str) -> dict:
     if "warm" in evals:
         out["after_warmup"] = {k: evals["warm"].get(k) for k in EVAL_KEYS if k in evals["warm"]}
     for s in a.sides:
-        r = results[s]
         if formats[s] == "episodes":
             first, origin = evals.get("warm", base), base
         else:
             first, origin = evals.get("warm_tool", evals.get("base_tool", {})), evals.get("base_tool", {})
-        c = curve(r.get("points", []), evals, first)
-        final = c[-1]["success"] if len(c) > 1 else None
-        final_s = c[-1].get("success_sampled") if len(c) > 1 else None
-        start_s = first.get("success_sampled")
-        out[s] = {
-            "curve": c,
-            "eval_format": formats[s],
-            "before": origin.get("success"),
-            "start": first.get("success"),
-            "final": final,
-            "best": max((p["success"] for p in c[1:] if p["success"] is not None), default=None),
-            "gain_points_over_before": None
-            if final is None or origin.get("success") is None
-            else 100 * (final - origin["success"]),
-            "gain_points_of_rl": None
-            if final is None or first.get("success") is None
-            else 100 * (final - first["success"]),
-            "start_sampled": start_s,
-            "final_sampled": final_s,
-            "best_sampled": max(
-                (p["success_sampled"] for p in c[1:] if p.get("success_sampled") is not None), default=None
-            ),
-            "gain_points_of_rl_sampled": None if final_s is None or start_s is None else 100 * (final_s - start_s),
-            "steps": r["log"][-1]["step"] if r.get("log") else 0,
-            "train_wall_s": r["log"][-1]["wall_s"] if r.get("log") else 0,
-            "train_log": r.get("log", []),
-            **{
-                k: r[k]
-                for k in (
-                    "trl_version",
-                    "dropped_config_keys",
-                    "own_template_refusal",
-                    "peak_rss_mib",
-                    "total_s",
-                    "error",
-                    "rc",
-                )
-                if k in r
-            },
-        }
+        out[s] = side_summary(results[s], curve(results[s].get("points", []), evals, first), first, origin, formats[s])
     if "ours" in out and out["ours"]["gain_points_over_before"] is not None:
         out["goal_+15_points_met"] = out["ours"]["gain_points_over_before"] >= 15
     if "ours" in out and out["ours"]["gain_points_of_rl_sampled"] is not None:
@@ -864,6 +868,44 @@ def plot(report: dict, path: str) -> str | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
+
+
+def add_side(a, png: str) -> None:
+    """``--add-side``: one side's GRPO run made apart (its worker command, e.g. again after a crash; its result
+    JSON ``--side-result``) evaluated by the same evaluator and put into the task's report in ``--out`` beside the
+    other side, against the report's own start evaluations."""
+    report = load_json(a.out, {})
+    a.task = a.tasks.split(",")[0]
+    task = report.get("tasks", {}).get(a.task)
+    if not task or "before" not in task:
+        sys.exit(f"error: {a.out} has no evaluated {a.task!r} task to add a side to: run the task first")
+    if a.task == "guessing" and a.add_side == "trl":
+        sys.exit("error: --add-side takes sides evaluated as episodes (not TRL's guessing tool format)")
+    result = load_json(a.side_result)
+    if not result or not result.get("points"):
+        sys.exit(f"error: {a.side_result} holds no checkpoints (a side's finished result JSON is needed)")
+    d = os.path.join(a.workdir, a.task)
+    lst = os.path.join(d, f"eval_{a.add_side}.list.json")
+    dump_json(lst, [{**p, "format": "episodes"} for p in result["points"]])
+    ev = os.path.join(d, f"eval_{a.add_side}.json")
+    run_procs(
+        a, {f"eval_{a.add_side}": (worker_cmd(a, "eval", ev, eval_list=lst, tokenizer_dir=a.tokenizer_dir), False)}, 1
+    )
+    evals = {e["label"]: e for e in load_json(ev, [])}
+    first = task.get("after_warmup") or task["before"]
+    task[a.add_side] = side_summary(result, curve(result["points"], evals, first), first, task["before"], "episodes")
+    task[a.add_side]["run_apart"] = {
+        "command": " ".join(sys.argv),
+        "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }
+    if "ours" in task and task["ours"].get("gain_points_over_before") is not None:
+        task["goal_+15_points_met"] = task["ours"]["gain_points_over_before"] >= 15
+    if "ours" in task and task["ours"].get("gain_points_of_rl_sampled") is not None:
+        task["goal_+15_points_of_rl_sampled_met"] = task["ours"]["gain_points_of_rl_sampled"] >= 15
+    dump_json(a.out, report)
+    plot(report, png)
+    s = task[a.add_side]
+    print(json.dumps({k: s.get(k) for k in ("start", "final", "start_sampled", "final_sampled", "steps")}, indent=1))
 
 
 def environment(a) -> dict:
@@ -939,6 +981,13 @@ def main() -> None:
         help="also evaluate sampled at temperature 1, this many episodes per record (0: greedy only)",
     )
     g.add_argument("--eval-parallel", type=int, default=2, help="evaluator processes at once")
+    p.add_argument(
+        "--add-side",
+        choices=SIDES,
+        help="evaluate a side's run made apart (--side-result: its worker's JSON; --workdir, --tokenizer-dir: "
+        "its task's) and add it to the task's report in --out",
+    )
+    p.add_argument("--side-result", help="with --add-side")
     # internal (workers)
     for flag in ("--side", "--result", "--task", "--start", "--tokenizer-dir", "--eval-list"):
         p.add_argument(flag, help=argparse.SUPPRESS)
@@ -966,6 +1015,9 @@ def main() -> None:
         else os.path.join(ROOT, "bench/results/bench_agents.json")
     )
     png = a.png or os.path.splitext(a.out)[0] + ".png"
+    if a.add_side:
+        add_side(a, png)
+        return
     os.makedirs(a.workdir, exist_ok=True)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     report = load_json(a.out, {})
