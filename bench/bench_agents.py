@@ -742,6 +742,15 @@ def side_summary(r: dict, c: list[dict], first: dict, origin: dict, eval_format:
     }
 
 
+def set_goals(task: dict) -> None:
+    """The issue's goal (+15 points) on our side: over the model before training, and RL's own (sampled)."""
+    ours = task.get("ours", {})
+    for goal, gain in (("goal_+15_points_met", "gain_points_over_before"),
+                       ("goal_+15_points_of_rl_sampled_met", "gain_points_of_rl_sampled")):  # fmt: skip
+        if ours.get(gain) is not None:
+            task[goal] = ours[gain] >= 15
+
+
 def run_task(a, name: str) -> dict:
     a.task = name
     out: dict = {"settings": settings(a), "load_average_start": uptime()}
@@ -809,10 +818,7 @@ def run_task(a, name: str) -> dict:
         else:
             first, origin = evals.get("warm_tool", evals.get("base_tool", {})), evals.get("base_tool", {})
         out[s] = side_summary(results[s], curve(results[s].get("points", []), evals, first), first, origin, formats[s])
-    if "ours" in out and out["ours"]["gain_points_over_before"] is not None:
-        out["goal_+15_points_met"] = out["ours"]["gain_points_over_before"] >= 15
-    if "ours" in out and out["ours"]["gain_points_of_rl_sampled"] is not None:
-        out["goal_+15_points_of_rl_sampled_met"] = out["ours"]["gain_points_of_rl_sampled"] >= 15
+    set_goals(out)
     out["load_average_end"] = uptime()
     return out
 
@@ -870,20 +876,27 @@ def plot(report: dict, path: str) -> str | None:
     return None
 
 
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def add_side(a, png: str) -> None:
     """``--add-side``: one side's GRPO run made apart (its worker command, e.g. again after a crash; its result
     JSON ``--side-result``) evaluated by the same evaluator and put into the task's report in ``--out`` beside the
     other side, against the report's own start evaluations."""
+    if not a.side_result or not a.tokenizer_dir:
+        fail("--add-side needs --side-result (the side worker's result JSON) and --tokenizer-dir")
     report = load_json(a.out, {})
     a.task = a.tasks.split(",")[0]
     task = report.get("tasks", {}).get(a.task)
     if not task or "before" not in task:
-        sys.exit(f"error: {a.out} has no evaluated {a.task!r} task to add a side to: run the task first")
+        fail(f"{a.out} has no evaluated {a.task!r} task to add a side to: run the task first")
     if a.task == "guessing" and a.add_side == "trl":
-        sys.exit("error: --add-side takes sides evaluated as episodes (not TRL's guessing tool format)")
+        fail("--add-side takes sides evaluated as episodes (not TRL's guessing tool format)")
     result = load_json(a.side_result)
     if not result or not result.get("points"):
-        sys.exit(f"error: {a.side_result} holds no checkpoints (a side's finished result JSON is needed)")
+        fail(f"{a.side_result} holds no checkpoints (a side's finished result JSON is needed)")
     d = os.path.join(a.workdir, a.task)
     lst = os.path.join(d, f"eval_{a.add_side}.list.json")
     dump_json(lst, [{**p, "format": "episodes"} for p in result["points"]])
@@ -898,10 +911,7 @@ def add_side(a, png: str) -> None:
         "command": " ".join(sys.argv),
         "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
-    if "ours" in task and task["ours"].get("gain_points_over_before") is not None:
-        task["goal_+15_points_met"] = task["ours"]["gain_points_over_before"] >= 15
-    if "ours" in task and task["ours"].get("gain_points_of_rl_sampled") is not None:
-        task["goal_+15_points_of_rl_sampled_met"] = task["ours"]["gain_points_of_rl_sampled"] >= 15
+    set_goals(task)
     dump_json(a.out, report)
     plot(report, png)
     s = task[a.add_side]
